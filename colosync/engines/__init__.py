@@ -1,0 +1,28 @@
+"""Engine registry: name -> the class that adapts that engine to the Receiver.
+
+Engines load lazily (transformers, vLLM) so ``import colosync`` stays light. A new engine is
+one file plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import EngineError
+
+_REGISTRY: dict[str, str] = {
+    "hf": "colosync.engines.hf:HFEngine",
+    "store": "colosync.engines.store:StoreEngine",
+}
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def engine_class(name: str) -> type:
+    try:
+        module, cls = _REGISTRY[name].split(":")
+    except KeyError:
+        raise EngineError(f"unknown engine {name!r}; choose one of {names()}") from None
+    return getattr(importlib.import_module(module), cls)

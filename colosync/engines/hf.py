@@ -1,0 +1,180 @@
+"""The reference engine: transformers + PEFT in its own process.
+
+It is colosync's embedded default and the ground truth for parity tests: a real model
+serving greedy generations and per-token logprobs, updated only through the Receiver's
+transaction. LoRA versions are PEFT adapters named after their update id; ``prepare`` loads
+the new adapter beside the served one, ``commit`` switches to it and deletes the old one,
+and generation always activates the committed adapter explicitly, so a prepared but
+uncommitted update can never leak into a result.
+
+Public API::
+
+    engine = EngineProcess(EngineConfig(engine="hf", model_dir=path))   # spawns the process
+    sender = Sender(engine.link, transport="shm")
+    sender.push_peft(peft_model)
+    gen = engine.call(Generate(prompts=[[1, 2, 3]], max_new_tokens=8))  # -> Generation
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+
+from ..errors import ManifestError, UnknownTensorError
+from ..manifest import LoraSpec, UpdateManifest
+from ..receiver import Receiver
+from ..target import ModelSpec, ParamSpec, parse_lora_name
+
+log = logging.getLogger(__name__)
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True):
+    prompts: list[list[int]]
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or not all(self.prompts):
+            raise ManifestError("Generate needs non-empty prompts and max_new_tokens >= 0")
+
+
+class Generation(msgspec.Struct, tag="generation", frozen=True):
+    update_id: int  # the committed version that produced these tokens
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class Score(msgspec.Struct, tag="score", frozen=True):
+    """Logprobs of given completions (the parity probe of an RL step)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+
+
+class Scores(msgspec.Struct, tag="scores", frozen=True):
+    update_id: int
+    logprobs: list[list[float]]
+
+
+class _PreparedLora(msgspec.Struct):
+    adapter: str
+
+
+class _PreparedFull(msgspec.Struct):
+    params: list[Any]
+    values: list[Any]
+
+
+class HFEngine:
+    requests: ClassVar[tuple[type, ...]] = (Generate, Score)
+    replies: ClassVar[tuple[type, ...]] = (Generation, Scores)
+
+    def __init__(self, model: torch.nn.Module, max_lora_rank: int = 64) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_lora_rank = max_lora_rank
+        self._base = dict(model.named_parameters())  # HF names; survive PEFT's wrapping
+        self._peft: Any = None
+        self._served_adapter: str | None = None
+        self._spec = self._build_spec()
+
+    @classmethod
+    def from_config(cls, config) -> "HFEngine":  # noqa: ANN001 - EngineConfig
+        from ..models import load_model
+
+        return cls(load_model(config.model_dir, config.device), config.max_lora_rank)
+
+    # -- EngineTarget -----------------------------------------------------------------------
+    def _build_spec(self) -> ModelSpec:
+        params = {n: ParamSpec(tuple(p.shape), p.dtype) for n, p in self._base.items()}
+        linears = {
+            name: (m.in_features, m.out_features)
+            for name, m in self.model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+        return ModelSpec(params, linears, self.max_lora_rank, next(self.model.parameters()).dtype)
+
+    def model_spec(self) -> ModelSpec:
+        return self._spec
+
+    def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
+        if manifest.kind == "full":
+            params = [self._base[name] for name in tensors]
+            values = [t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(params, tensors.values())]
+            return _PreparedFull(params, values)
+        assert manifest.lora is not None
+        return _PreparedLora(self._load_adapter(f"u{manifest.update_id}", manifest.lora, tensors))
+
+    def commit(self, prepared: Any, update_id: int) -> None:
+        if isinstance(prepared, _PreparedFull):
+            with torch.no_grad():
+                torch._foreach_copy_(prepared.params, prepared.values)
+            return
+        old, self._served_adapter = self._served_adapter, prepared.adapter
+        if old is not None:
+            self._peft.delete_adapter(old)
+
+    def discard(self, prepared: Any) -> None:
+        if isinstance(prepared, _PreparedLora):
+            self._drop_adapter(prepared.adapter)
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def _load_adapter(self, adapter: str, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> str:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        config = LoraConfig(
+            r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+            use_rslora=spec.use_rslora, lora_dropout=0.0,
+        )
+        if self._peft is None:
+            self._peft = get_peft_model(self.model, config, adapter_name=adapter)
+        else:
+            self._peft.add_adapter(adapter, config)
+        state = {}
+        for name, t in tensors.items():
+            module, part = parse_lora_name(name)
+            state[f"base_model.model.{module}.lora_{part}.weight"] = t
+        try:
+            result = set_peft_model_state_dict(self._peft, state, adapter_name=adapter)
+        except BaseException:
+            self._drop_adapter(adapter)
+            raise
+        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+        if unexpected:
+            self._drop_adapter(adapter)
+            raise UnknownTensorError(
+                f"PEFT could not place {unexpected[:5]} in the engine's model; check target_modules"
+            )
+        return adapter
+
+    def _drop_adapter(self, adapter: str) -> None:
+        if self._peft is None or adapter not in self._peft.peft_config:
+            return
+        if len(self._peft.peft_config) == 1:  # PEFT cannot delete its last adapter: unwrap
+            self.model = self._peft.unload()
+            self._peft = None
+        else:
+            self._peft.delete_adapter(adapter)
+
+    def _serving(self) -> Any:
+        """Activate exactly the committed adapter (or none) for the next forward pass."""
+        import contextlib
+
+        if self._peft is None:
+            return contextlib.nullcontext()
+        if self._served_adapter is None:
+            return self._peft.disable_adapter()
+        self._peft.set_adapter(self._served_adapter)
+        return contextlib.nullcontext()
+
+    # -- requests ---------------------------------------------------------------------------
+    def handle(self, request: Generate | Score, receiver: Receiver) -> Generation | Scores:
+        from ..models import greedy, score
+
+        with self._serving():
+            if isinstance(request, Generate):
+                tokens, logprobs = greedy(self.model, request.prompts, request.max_new_tokens)
+                return Generation(receiver.committed_update_id, tokens, logprobs)
+            return Scores(receiver.committed_update_id, score(self.model, request.prompts, request.completions))

@@ -1,0 +1,235 @@
+"""Run an engine in its own process, reachable over a Unix socket of msgpack messages.
+
+Trainer and engine are separate processes in every real deployment, and a sender can die at
+any moment; this is where that is handled. The engine process listens on a private Unix
+socket (0700 directory, HMAC-authenticated by ``multiprocessing.connection``), so several
+clients can connect -- a trainer that syncs, a driver that generates, a replacement sender
+after a crash. Only ``send_bytes``/``recv_bytes`` of msgpack structs cross the socket. If the
+connection that began an update drops, that update is aborted at once; a silent one is
+aborted by the Receiver's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any, ClassVar, Protocol, Union
+
+import msgspec
+
+from ..errors import ColosyncError, EngineError
+from ..link import PipeLink
+from ..protocol import Ack, Begin, Codec, Failed, TransactionRequest
+from ..receiver import Receiver, ReceiverPolicy
+from ..target import EngineTarget
+
+log = logging.getLogger(__name__)
+
+
+class EngineConfig(msgspec.Struct, frozen=True):
+    """How to build an engine process (typed: it crosses a process boundary)."""
+
+    engine: str  # registry name, see colosync.engines
+    model_dir: str = ""
+    device: str = "cpu"
+    max_lora_rank: int = 64
+    reject_nonfinite: bool = True
+    verify_fingerprints: bool = True
+    timeout_s: float = 60.0
+    log_level: str = "WARNING"
+
+    def policy(self) -> ReceiverPolicy:
+        return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)
+
+
+class EngineAddress(msgspec.Struct, frozen=True):
+    """Where a running engine listens; hand it to another process to connect there."""
+
+    path: str
+    authkey: bytes
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+class ServedEngine(EngineTarget, Protocol):
+    """An ``EngineTarget`` that also answers its own requests (generate, score, ...)."""
+
+    requests: ClassVar[tuple[type, ...]]
+    replies: ClassVar[tuple[type, ...]]
+
+    def handle(self, request: Any, receiver: Receiver) -> msgspec.Struct: ...
+
+
+def codecs(engine_cls: type) -> tuple[Codec, Codec]:
+    """Request and reply codecs for an engine class's message types."""
+    requests = (*TransactionRequest.__args__, Shutdown, *engine_cls.requests)
+    replies = (Ack, Failed, *engine_cls.replies)
+    return Codec(Union[requests]), Codec(Union[replies])  # noqa: UP007 - runtime union
+
+
+def _serve(config_bytes: bytes, ready: Connection) -> None:
+    from . import engine_class
+
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    cls = engine_class(config.engine)
+    try:
+        engine = cls.from_config(config)
+        receiver = Receiver(engine, engine.device, config.policy())
+    except BaseException as exc:
+        ready.send_bytes(msgspec.msgpack.encode(Failed.from_exception(exc)))
+        raise
+    request_codec, reply_codec = codecs(cls)
+    folder = tempfile.mkdtemp(prefix="colosync-engine-")
+    os.chmod(folder, 0o700)
+    address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
+    listener = Listener(address.path, family="AF_UNIX", authkey=address.authkey)
+    clients: list[Connection] = []
+    lock = threading.Lock()
+
+    def accept_forever() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except Exception:  # listener closed, or a client failed authentication
+                if listener._listener is None:  # closed: stop
+                    return
+                continue
+            with lock:
+                clients.append(conn)
+
+    threading.Thread(target=accept_forever, daemon=True).start()
+    ready.send_bytes(msgspec.msgpack.encode(address))
+    ready.close()
+    owner: Connection | None = None  # the connection that began the in-flight update
+    try:
+        running = True
+        while running:
+            with lock:
+                current = list(clients)
+            for conn in wait(current, timeout=0.2) if current else ():
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):
+                    with lock:
+                        clients.remove(conn)
+                    if conn is owner and receiver.in_flight is not None:
+                        receiver.abort(receiver.in_flight, "the sender disconnected mid-update")
+                    continue
+                try:
+                    request = request_codec.decode(data)
+                    if isinstance(request, Shutdown):
+                        reply: msgspec.Struct = receiver.status()
+                        running = False
+                    elif isinstance(request, TransactionRequest.__args__):
+                        reply = receiver.handle(request)
+                        if isinstance(request, Begin):
+                            owner = conn
+                    else:
+                        reply = engine.handle(request, receiver)
+                except ColosyncError as exc:
+                    reply = Failed.from_exception(exc)
+                except Exception as exc:
+                    log.exception("engine: request failed")
+                    reply = Failed.from_exception(exc)
+                conn.send_bytes(reply_codec.encode(reply))
+            if not current:
+                time.sleep(0.05)
+            receiver.check_timeout()
+    finally:
+        receiver.close()
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class EngineProcess:
+    """Start an engine in a fresh (spawned) process and talk to it.
+
+    >>> with EngineProcess(EngineConfig(engine="hf", model_dir=path)) as engine:
+    ...     sender = Sender(engine.link, transport="shm")
+    """
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
+        from . import engine_class
+
+        self.config = config
+        self._cls = engine_class(config.engine)
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=_serve, args=(msgspec.msgpack.encode(config), child), name=f"colosync-{config.engine}", daemon=True
+        )
+        self._process.start()
+        child.close()
+        if not parent.poll(start_timeout_s):
+            self._process.terminate()
+            raise EngineError(f"engine {config.engine!r} did not start within {start_timeout_s}s")
+        try:
+            first = parent.recv_bytes()
+        except EOFError:
+            self._process.join(5)
+            raise EngineError(
+                f"engine {config.engine!r} died during start-up (exit code {self._process.exitcode}); see its log"
+            ) from None
+        failed = _try_decode(first, Failed)
+        if failed is not None:
+            self._process.join(5)
+            raise failed.to_exception()
+        self.address = msgspec.msgpack.decode(first, type=EngineAddress)
+        self.link = self.connect()
+
+    def connect(self) -> PipeLink:
+        """A new connection to this engine (one per thread or process that talks to it)."""
+        return connect(self.address, self._cls)
+
+    def call(self, request: msgspec.Struct) -> Any:
+        return self.link.call(request)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._process.is_alive():
+            try:
+                self.link.call(Shutdown())
+            except (ColosyncError, OSError):
+                pass
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(timeout_s)
+        self.link.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: EngineAddress, engine_cls: type) -> PipeLink:
+    try:
+        conn = Client(address.path, family="AF_UNIX", authkey=address.authkey)
+    except OSError as exc:
+        raise EngineError(f"cannot reach the engine at {address.path}: {exc}; is it running?") from exc
+    return PipeLink(conn, *codecs(engine_cls))
+
+
+def _try_decode(data: bytes, cls: type) -> Any:
+    try:
+        return msgspec.msgpack.decode(data, type=cls)
+    except msgspec.ValidationError:
+        return None

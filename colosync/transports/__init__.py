@@ -1,0 +1,70 @@
+"""Transport registry: name -> the module that implements it, imported only when used.
+
+Adding a transport is one new file (a ``SenderTransport`` and a ``ReceiverTransport``) plus
+one line in ``_REGISTRY``. ``resolve("auto", device)`` tries them in preference order and
+logs why it passed over each one it did not pick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ..errors import TransportUnavailable
+from .base import ReceiverTransport, SenderTransport
+
+log = logging.getLogger(__name__)
+
+# name -> "module:SenderClass:ReceiverClass"; listed fastest first (the order "auto" tries).
+_REGISTRY: dict[str, str] = {
+    "shm": "colosync.transports.shm:ShmSender:ShmReceiver",
+}
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def _load(name: str, index: int) -> type:
+    try:
+        spec = _REGISTRY[name]
+    except KeyError:
+        raise TransportUnavailable(
+            f"unknown transport {name!r}; choose one of {names()} or 'auto'"
+        ) from None
+    module, *classes = spec.split(":")
+    return getattr(importlib.import_module(module), classes[index])
+
+
+def sender_class(name: str) -> type[SenderTransport]:
+    return _load(name, 0)
+
+
+def receiver_class(name: str) -> type[ReceiverTransport]:
+    return _load(name, 1)
+
+
+def resolve(name: str, device: torch.device) -> type[SenderTransport]:
+    """The sender transport class for ``name``; ``"auto"`` picks the first that works."""
+    if name != "auto":
+        cls = sender_class(name)
+        ok, why = cls.available(device)
+        if not ok:
+            raise TransportUnavailable(f"transport {name!r} cannot run here: {why}")
+        return cls
+    reasons = []
+    for candidate in names():
+        cls = sender_class(candidate)
+        ok, why = cls.available(device)
+        if ok:
+            for skipped in reasons:
+                log.info("transport auto: passed over %s", skipped)
+            log.info("transport auto: picked %r (%s)", candidate, why)
+            return cls
+        reasons.append(f"{candidate!r}: {why}")
+    raise TransportUnavailable("no transport works here: " + "; ".join(reasons))
+
+
+__all__ = ["SenderTransport", "ReceiverTransport", "names", "resolve", "sender_class", "receiver_class"]

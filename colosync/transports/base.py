@@ -1,0 +1,75 @@
+"""The transport interface: a few reusable byte slots visible to both sides.
+
+A transport is deliberately dumb. The sender side owns ``slots`` byte buffers of
+``slot_bytes`` each and publishes a typed handle; the receiver side opens the handle once and
+sees the same slots. Which bytes sit in which slot, and when a slot may be reused, is the
+Sender's and Receiver's business (the ``Stage`` message and its acknowledgement), so every
+transport gets flow control, chunking of oversize buckets and fingerprints for free.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class SenderTransport(ABC):
+    """Trainer side: creates the slots and the handle that describes them."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        """Whether this transport can work here for tensors on ``device``, and why (not)."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "SenderTransport":
+        """Allocate the slots once; they are reused for every update."""
+
+    @property
+    @abstractmethod
+    def slot_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_slots(self) -> int: ...
+
+    @abstractmethod
+    def handle(self) -> bytes:
+        """The encoded handle the receiver passes to ``ReceiverTransport.open``."""
+
+    @abstractmethod
+    def slot(self, index: int) -> torch.Tensor:
+        """Writable ``uint8`` view of slot ``index`` (host or device memory)."""
+
+    def attached(self) -> None:
+        """The peer has opened the handle (e.g. a name can now be unlinked)."""
+
+    def flush(self) -> None:
+        """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the slots; idempotent."""
+
+
+class ReceiverTransport(ABC):
+    """Engine side: opens a handle and reads the slots."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def open(cls, handle: bytes, device: torch.device) -> "ReceiverTransport": ...
+
+    @abstractmethod
+    def slot(self, index: int) -> torch.Tensor:
+        """Readable ``uint8`` view of slot ``index``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the mapping; idempotent."""
