@@ -1,0 +1,40 @@
+"""colosync: move a trainer's weights into a colocated inference engine as a transaction.
+
+Trainer side: ``Sender`` (``push``, ``push_peft``, ``push_stream``) over a ``Link`` to the
+engine. Engine side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
+(``colosync.transports``); control messages are typed structs (``colosync.protocol``).
+Engines, Ray, Megatron and PEFT are imported only where they are used.
+"""
+
+from .errors import (
+    ColosyncError,
+    DtypeError,
+    EngineError,
+    FingerprintMismatchError,
+    ManifestError,
+    NonFiniteError,
+    RankError,
+    ShapeMismatchError,
+    StaleUpdateError,
+    TransactionStateError,
+    TransportError,
+    TransportUnavailable,
+    UnknownTensorError,
+    UpdateRejected,
+    UpdateTimeoutError,
+)
+from .link import Link, LocalLink
+from .manifest import LoraSpec, TensorMeta, UpdateManifest
+from .receiver import Receiver, ReceiverPolicy
+from .sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
+from .target import EngineTarget, ModelSpec, ParamSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColosyncError", "DtypeError", "EngineError", "FingerprintMismatchError", "ManifestError", "NonFiniteError",
+    "RankError", "ShapeMismatchError", "StaleUpdateError", "TransactionStateError", "TransportError",
+    "TransportUnavailable", "UnknownTensorError", "UpdateRejected", "UpdateTimeoutError",
+    "Link", "LocalLink", "LoraSpec", "TensorMeta", "UpdateManifest", "Receiver", "ReceiverPolicy",
+    "Sender", "SyncReport", "peft_lora_spec", "peft_lora_tensors", "EngineTarget", "ModelSpec", "ParamSpec",
+]

@@ -1,0 +1,81 @@
+"""Buckets: aligned layout under a cap, fused packing, zero-copy views, a fingerprint that notices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colosync.bucket import fingerprint, pack_into, plan_buckets, tensor_views
+from colosync.manifest import ALIGN
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+def specs_of(named):
+    return [(n, tuple(t.shape), t.dtype) for n, t in named]
+
+
+def test_roundtrip_every_dtype_and_shape():
+    named = [(f"t{i}.{d}", sample(d, s, i)) for i, (d, s) in enumerate(
+        (d, s) for d in DTYPES for s in [(), (1,), (3, 5), (2, 3, 7)])]
+    metas, sizes = plan_buckets(specs_of(named), 256)
+    assert all(m.offset % ALIGN == 0 for m in metas)
+    buffers = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
+    for b, buf in enumerate(buffers):
+        in_bucket = [(m, t) for m, (_, t) in zip(metas, named) if m.bucket == b]
+        pack_into(buf, [m for m, _ in in_bucket], [t for _, t in in_bucket])
+    views = {}
+    for b, buf in enumerate(buffers):
+        views.update(tensor_views(buf, [m for m in metas if m.bucket == b]))
+    for name, t in named:
+        assert views[name].dtype == t.dtype and views[name].shape == t.shape
+        assert torch.equal(views[name].view(torch.uint8), t.view(torch.uint8)) if t.dim() else \
+            torch.equal(views[name].reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8))
+
+
+def test_views_are_zero_copy():
+    metas, sizes = plan_buckets([("a", (4,), torch.float32), ("b", (2, 2), torch.float32)], 1024)
+    buf = torch.zeros(sizes[0], dtype=torch.uint8)
+    views = tensor_views(buf, metas)
+    views["b"][1, 1] = 5.0
+    assert views["b"].data_ptr() == buf.data_ptr() + metas[1].offset
+    assert buf[metas[1].offset + 12 : metas[1].offset + 16].view(torch.float32).item() == 5.0
+
+
+def test_cap_respected_and_oversize_tensor_gets_own_bucket():
+    specs = [("small0", (10,), torch.float32), ("huge", (1000,), torch.float32), ("small1", (10,), torch.float32),
+              ("small2", (10,), torch.float32)]
+    metas, sizes = plan_buckets(specs, 128)
+    by_name = {m.name: m for m in metas}
+    assert by_name["huge"].bucket not in (by_name["small0"].bucket, by_name["small1"].bucket)
+    assert sizes[by_name["huge"].bucket] == 4000 // ALIGN * ALIGN + ALIGN
+    assert all(size <= 128 for b, size in enumerate(sizes) if b != by_name["huge"].bucket)
+
+
+def test_bucket_cap_must_hold_an_alignment_unit():
+    with pytest.raises(ValueError, match="at least 64"):
+        plan_buckets([("a", (1,), torch.float32)], 8)
+
+
+def test_fingerprint_detects_flips_and_moves():
+    buf = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8)
+    base = fingerprint(buf)
+    flipped = buf.clone()
+    flipped[12345] ^= 1
+    assert fingerprint(flipped) != base
+    moved = buf.clone().view(-1, 8192)
+    moved[[0, 1]] = moved[[1, 0]]
+    assert fingerprint(moved.flatten()) != base
+    assert fingerprint(buf.clone()) == base
+    assert fingerprint(torch.empty(0, dtype=torch.uint8)) == 0

@@ -1,0 +1,111 @@
+"""The manifest validates itself when built and when decoded; malformed input never gets through."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colosync.bucket import plan_buckets
+from colosync.errors import ManifestError
+from colosync.manifest import (
+    LoraSpec,
+    TensorMeta,
+    UpdateManifest,
+    decode_manifest,
+    encode_manifest,
+    manifest_from_json,
+    manifest_to_json,
+)
+
+
+def good_manifest() -> UpdateManifest:
+    specs = [
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (8, 64), torch.bfloat16),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (64, 8), torch.bfloat16),
+        ("scale", (3,), torch.float32),
+    ]
+    metas, sizes = plan_buckets(specs, 1024)
+    return UpdateManifest(7, "lora", tuple(metas), tuple(sizes), LoraSpec(8, 16.0, ("q_proj",)))
+
+
+def as_dict(m: UpdateManifest) -> dict:
+    return msgspec.to_builtins(m)
+
+
+def test_roundtrip_msgpack_and_json():
+    m = good_manifest()
+    assert decode_manifest(encode_manifest(m)) == m
+    assert manifest_from_json(manifest_to_json(m)) == m
+    assert m.total_bytes == 8 * 64 * 2 * 2 + 12
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d["tensors"][0].update(shape=[8, -64]), "negative dimension"),
+        (lambda d: d["tensors"][0].update(nbytes=5), "needs 1024"),
+        (lambda d: d["tensors"][0].update(offset=3), "aligned"),
+        (lambda d: d["tensors"][0].update(bucket=9), "but the update has 3 buckets"),
+        (lambda d: d["tensors"][1].update(offset=0, bucket=0), "overlap"),
+        (lambda d: d["tensors"][1].update(name=d["tensors"][0]["name"]), "appears twice"),
+        (lambda d: d["tensors"][2].update(offset=d["bucket_sizes"][d["tensors"][2]["bucket"]]), "beyond bucket"),
+        (lambda d: d["tensors"][0].update(dtype="float128"), "unknown dtype"),
+        (lambda d: d.update(update_id=0), "positive integer"),
+        (lambda d: d.update(lora=None), "needs a LoraSpec"),
+        (lambda d: d.update(kind="delta"), "kind"),
+        (lambda d: d["lora"].update(rank=0), "rank must be > 0"),
+        (lambda d: d.update(bucket_sizes=[d["bucket_sizes"][0], -64]), "multiple of 64"),
+        (lambda d: d["tensors"][0].update(shape="8x64"), "Expected `array`"),
+    ],
+)
+def test_decoder_rejects_each_malformation(mutate, needle):
+    d = as_dict(good_manifest())
+    mutate(d)
+    with pytest.raises(ManifestError, match=needle):
+        decode_manifest(msgspec.msgpack.encode(d))
+
+
+def test_constructor_validates_too():
+    with pytest.raises(ManifestError, match="appears twice"):
+        meta = TensorMeta("w", "float32", (4,), 0, 0, 16)
+        UpdateManifest(1, "full", (meta, meta), (64,))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_truncated_or_garbage_bytes_raise_manifest_error(data):
+    encoded = encode_manifest(good_manifest())
+    for candidate in (data, encoded[: len(data) % len(encoded)]):
+        try:
+            decode_manifest(candidate)
+        except ManifestError:
+            pass  # the only exception allowed out of the decoder
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    field=st.sampled_from(["name", "dtype", "shape", "bucket", "offset", "nbytes"]),
+    index=st.integers(0, 2),
+    value=json_values,
+)
+def test_any_wrong_field_value_is_rejected_or_consistent(field, index, value):
+    d = as_dict(good_manifest())
+    d["tensors"][index][field] = value
+    try:
+        m = decode_manifest(msgspec.msgpack.encode(d))
+    except ManifestError:
+        return
+    # If it decoded, every invariant still holds.
+    assert len({t.name for t in m.tensors}) == len(m.tensors)
+    for t in m.tensors:
+        assert t.offset + t.nbytes <= m.bucket_sizes[t.bucket] and t.offset % 64 == 0

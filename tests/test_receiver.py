@@ -1,0 +1,136 @@
+"""The Receiver's state machine in one process: ordering, timeouts, superseding, freeing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from colosync.engines.store import StoreEngine
+from colosync.errors import ManifestError, StaleUpdateError, TransactionStateError, UpdateTimeoutError
+from colosync.link import LocalLink
+from colosync.bucket import fingerprint, pack_into, plan_buckets
+from colosync.manifest import UpdateManifest
+from colosync.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
+from colosync.receiver import Receiver, ReceiverPolicy
+from colosync.sender import Sender
+from colosync.transports.shm import ShmSender
+
+
+@pytest.fixture
+def rig():
+    store = StoreEngine()
+    receiver = Receiver(store, "cpu", ReceiverPolicy(timeout_s=5.0))
+    transport = ShmSender(1 << 16, 2, torch.device("cpu"))
+    LocalLink(receiver).submit(Attach("shm", transport.handle())).wait()
+    transport.attached()
+    yield store, receiver, transport
+    receiver.close()
+    transport.close()
+
+
+def manifest(uid: int, named) -> UpdateManifest:
+    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    return UpdateManifest(uid, "full", tuple(metas), tuple(sizes))
+
+
+def stage_all(receiver, transport, m, named):
+    slot = transport.slot(0)[: m.bucket_sizes[0]]
+    pack_into(slot, m.tensors, [t for _, t in named])
+    receiver.handle(Stage(m.update_id, 0, 0, m.bucket_sizes[0], 0, fingerprint(slot)))
+
+
+NAMED = [("a", torch.arange(6.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+
+
+def test_full_cycle_then_state_is_clean(rig):
+    store, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    stage_all(receiver, transport, m, NAMED)
+    receiver.handle(Prepare(1))
+    assert store.tensors == {}  # prepared is not served
+    ack = receiver.handle(Commit(1))
+    assert ack.committed_update_id == 1 and ack.in_flight_update_id is None
+    assert torch.equal(store.tensors["a"], NAMED[0][1])
+
+
+def test_out_of_order_steps_are_refused(rig):
+    _, receiver, transport = rig
+    with pytest.raises(TransactionStateError, match="send Begin first"):
+        receiver.handle(Prepare(1))
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    with pytest.raises(TransactionStateError, match="commit before prepare"):
+        receiver.handle(Commit(1))
+    with pytest.raises(ManifestError, match="chunks must arrive in order"):
+        receiver.handle(Stage(1, 0, 64, 64, 0, None))
+    with pytest.raises(TransactionStateError, match=r"prepare before buckets \[0\] arrived"):
+        receiver.handle(Prepare(1))
+    assert receiver.in_flight is None  # a failed prepare ends the update
+
+
+def test_repeated_and_stale_ids(rig):
+    _, receiver, transport = rig
+    m = manifest(3, NAMED)
+    receiver.handle(Begin(m))
+    with pytest.raises(StaleUpdateError, match="repeats or precedes the in-flight update 3"):
+        receiver.handle(Begin(m))
+    stage_all(receiver, transport, m, NAMED)
+    receiver.handle(Prepare(3))
+    receiver.handle(Commit(3))
+    with pytest.raises(StaleUpdateError, match="not newer than the committed update 3"):
+        receiver.handle(Begin(manifest(2, NAMED)))
+
+
+def test_newer_update_supersedes_an_abandoned_one(rig):
+    store, receiver, transport = rig
+    receiver.handle(Begin(manifest(1, NAMED)))
+    m2 = manifest(2, NAMED)
+    receiver.handle(Begin(m2))
+    with pytest.raises(TransactionStateError, match="update 1 was aborted \\(superseded by update 2\\)"):
+        receiver.handle(Prepare(1))
+    stage_all(receiver, transport, m2, NAMED)
+    receiver.handle(Prepare(2))
+    receiver.handle(Commit(2))
+    assert receiver.committed_update_id == 2
+
+
+def test_silent_sender_times_out_and_frees(rig):
+    store, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    stage_all(receiver, transport, m, NAMED)
+    tx = receiver._inflight
+    assert tx.buffers and tx.tensors
+    receiver.check_timeout(now=time.monotonic() + 6.0)
+    assert receiver.in_flight is None and not tx.buffers and not tx.tensors
+    with pytest.raises(UpdateTimeoutError, match="sender was silent"):
+        receiver.handle(Prepare(1))
+    assert store.tensors == {} and receiver.committed_update_id == 0
+
+
+def test_abort_discards_a_prepared_update_and_is_idempotent(rig):
+    store, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    stage_all(receiver, transport, m, NAMED)
+    receiver.handle(Prepare(1))
+    receiver.handle(Abort(1, "changed my mind"))
+    receiver.handle(Abort(1, "again"))
+    receiver.handle(Abort(99))
+    assert receiver.in_flight is None and store.tensors == {}
+
+
+def test_sender_aborts_when_its_source_fails(rig):
+    store, receiver, _ = rig
+
+    def broken():
+        yield "a", NAMED[0][1]
+        raise RuntimeError("trainer crashed while gathering")
+
+    with Sender(LocalLink(receiver), transport="shm") as sender:
+        with pytest.raises(RuntimeError, match="gathering"):
+            sender.push_stream([(n, tuple(t.shape), t.dtype) for n, t in NAMED], broken())
+    assert receiver.in_flight is None and receiver.committed_update_id == 0 and store.tensors == {}
