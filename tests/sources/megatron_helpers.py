@@ -1,0 +1,433 @@
+"""Shared machinery for the Megatron source tests: spawned worlds, a real GPTModel, a LoRA.
+
+* ``run_world`` spawns N processes joined by a gloo (CPU) or NCCL (GPU) group on 127.0.0.1
+  and returns each rank's result, or fails with every failed rank's traceback.
+* ``build_gpt`` builds a *real* megatron-core ``GPTModel`` (local layer spec) for this
+  rank's pipeline stage, so the source is tested against Megatron's own parameter names,
+  shapes and partition attributes, not an imitation.
+* ``attach_lora`` adds LoRA to Megatron's Column/RowParallelLinear modules. megatron-core
+  0.16.1 ships no LoRA (it lives in NeMo / Megatron-Bridge / PEFT), so this is our own small
+  wrapper, written to the layout those use: column-parallel targets keep ``lora_A``
+  replicated and split ``lora_B`` like the weight's rows; row-parallel targets split
+  ``lora_A`` on its input dim and all-reduce before the replicated ``lora_B``. It names the
+  halves either PEFT-style (``lora_A.weight``) or NeMo-style (``adapter.linear_in.weight``).
+* ``megatron_cpu_shims`` lets Megatron's forward run on CPU: it hard-codes
+  ``torch.cuda.current_device()`` for a few buffers and forks a CUDA RNG state around
+  attention dropout. The shims redirect the device to ``"cpu"`` and make the fork a no-op
+  (dropout is off in eval mode); they change where tensors live, not what is computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Convention = Literal["peft", "nemo"]
+LORA_NAMES: Mapping[Convention, tuple[str, str]] = {
+    "peft": ("lora_A", "lora_B"),
+    "nemo": ("adapter.linear_in", "adapter.linear_out"),
+}
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A tiny Llama-style model that TP=4 can split (4 query groups)."""
+
+    vocab_size: int = 250
+    padded_vocab_size: int = 256  # Megatron pads the vocabulary to a multiple of the TP size
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 8
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 96
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# -- worlds ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_rank(rank: int, world: int, port: int, backend: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def _reset_megatron() -> None:
+    with contextlib.suppress(Exception):
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def _serve(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+    """A rank of a long-lived world: run each task it is given, report, repeat."""
+    import torch.distributed as dist
+
+    try:
+        _init_rank(rank, world, port, backend)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while (task := tasks.get()) is not None:
+        target, args = task
+        try:
+            results.put((rank, True, target(rank, world, *args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            _reset_megatron()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+class World:
+    """``size`` spawned ranks joined by one process group, reused across tests.
+
+    Starting a rank costs seconds (megatron-core imports torch's compiler stack), so the
+    tests share one world and run each scenario as a task on every rank. A task that fails
+    or times out on any rank may leave the others inside a collective: the world is then
+    torn down, and the next ``run`` starts a fresh one.
+    """
+
+    def __init__(self, size: int, backend: str = "gloo") -> None:
+        self.size, self.backend = size, backend
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        if self.backend == "gloo":
+            # forkserver: the server imports megatron-core once and forks every rank from it,
+            # instead of each spawned rank paying the same multi-second import on shared cores
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "megatron.core.models.gpt.gpt_model", "colosync.sources.megatron"])
+        else:  # CUDA ranks: never fork a process that may have touched the driver
+            ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, self.size, port, self.backend, self._tasks[r], self._results))
+            for r in range(self.size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, target: Callable[..., Any], *args: Any, timeout_s: float = 240.0) -> list[Any]:
+        """``target(rank, size, *args)`` on every rank; results by rank."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((target, args))
+        results: dict[int, Any] = {}
+        try:
+            for _ in range(self.size):
+                rank, ok, payload = self._results.get(timeout=timeout_s)
+                if not ok:
+                    raise AssertionError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        except BaseException:
+            self.close(kill=True)
+            raise
+        return [results[r] for r in range(self.size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=1 if kill else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        self._procs = []
+
+
+def run_world(target: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo", timeout_s: float = 240.0) -> list[Any]:
+    """Run ``target(rank, world, *args)`` once on a fresh world of ``world`` ranks."""
+    w = World(world, backend)
+    try:
+        return w.run(target, *args, timeout_s=timeout_s)
+    finally:
+        w.close()
+
+
+# -- Megatron -------------------------------------------------------------------------------
+
+
+def megatron_cpu_shims() -> None:
+    """Let Megatron-core's forward run on CPU in this process (see the module docstring)."""
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda name=None: contextlib.nullcontext()  # type: ignore[method-assign]
+
+
+def init_megatron(tp: int, pp: int) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    else:
+        megatron_cpu_shims()
+
+
+def transformer_config(geom: Geometry, tp: int, pp: int, dtype: torch.dtype = torch.float32, init_std: float = 0.08):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=geom.num_layers,
+        hidden_size=geom.hidden_size,
+        num_attention_heads=geom.num_heads,
+        num_query_groups=geom.num_query_groups,
+        kv_channels=geom.head_dim,
+        ffn_hidden_size=geom.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=geom.rms_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        init_method_std=init_std,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt(config: Any, geom: Geometry, seed: int = 0) -> torch.nn.Module:
+    """A real ``GPTModel`` holding this rank's pipeline stage (local layer spec, RoPE)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=geom.padded_vocab_size,
+        max_sequence_length=128,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+    )
+
+
+class _LoraHook:
+    def __init__(self, module: torch.nn.Module, a: str, b: str, row_parallel: bool, scaling: float) -> None:
+        self.a, self.b, self.row, self.scaling = a, b, row_parallel, scaling
+        self.module = module
+
+    def _param(self, path: str) -> torch.Tensor:
+        obj: Any = self.module
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj.weight
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        x = args[0]
+        a, b = self._param(self.a), self._param(self.b)
+        low = x @ a.t()
+        if self.row:  # the input is split across TP ranks: x_i @ A_i^T are partial sums
+            from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+            low = reduce_from_tensor_model_parallel_region(low)
+        delta = (low @ b.t()) * self.scaling
+        out, bias = output
+        return out + delta.to(out.dtype), bias
+
+
+def _linear(rows: int, cols: int, dtype: torch.dtype) -> torch.nn.Linear:
+    lin = torch.nn.Linear(cols, rows, bias=False, dtype=dtype)
+    torch.nn.init.zeros_(lin.weight)
+    return lin
+
+
+def attach_lora(model: torch.nn.Module, rank: int, alpha: float, convention: Convention,
+                dtype: torch.dtype = torch.float32) -> list[str]:
+    """Add a LoRA to every linear_qkv/linear_proj/linear_fc1/linear_fc2; returns the module names.
+
+    Shapes are this rank's shards; values are zero until loaded (``load_megatron_tensors``).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    a_name, b_name = LORA_NAMES[convention]
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        if not name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
+            continue
+        out_local, in_local = module.weight.shape
+        row = isinstance(module, RowParallelLinear)
+        assert row or isinstance(module, ColumnParallelLinear), name
+        a = _linear(rank, in_local, dtype)  # row: split on input; column: replicated (full input)
+        b = _linear(out_local, rank, dtype)  # row: full output (replicated); column: this rank's rows
+        if convention == "peft":
+            module.lora_A, module.lora_B = a, b
+        else:
+            module.adapter = torch.nn.Module()
+            module.adapter.linear_in, module.adapter.linear_out = a, b
+        module.register_forward_hook(_LoraHook(module, a_name, b_name, row, alpha / rank))
+        wrapped.append(name)
+    return wrapped
+
+
+def load_megatron_tensors(model: torch.nn.Module, tensors: Mapping[Any, torch.Tensor], naming: tuple) -> int:
+    """Copy ``{ParamKey: local shard}`` into the model's parameters, found through the naming table."""
+    from colosync.sources.megatron_layout import index_params
+
+    index = index_params(model.named_parameters(), naming)
+    with torch.no_grad():
+        for key, value in tensors.items():
+            name, param = index[key]
+            assert tuple(param.shape) == tuple(value.shape), (name, param.shape, value.shape)
+            param.copy_(value)
+    return len(tensors)
+
+
+def local_shards(ctx: Any, stage: int, tp_rank: int, hf: Mapping[str, torch.Tensor], pad: torch.Tensor) -> dict[Any, torch.Tensor]:
+    """This rank's Megatron shards of every planned tensor, from HF/PEFT tensors."""
+    from colosync.sources.megatron_layout import plan, shard, to_megatron
+
+    return {
+        item.key: shard(to_megatron(item, hf, ctx, pad), item.split, ctx.tp_size, tp_rank).clone()
+        for item in plan(ctx)
+        if item.stage == stage
+    }
+
+
+# -- HF / PEFT reference --------------------------------------------------------------------
+
+
+def make_reference(geom: Geometry, lora_rank: int, lora_alpha: float, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """A seeded HF Llama plus a PEFT LoRA whose fused parts share lora_A (Megatron's layout).
+
+    Returns ``{"full": HF state dict, "lora": PEFT adapter state dict}``.
+    """
+    from peft import get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    from colosync.models import random_lora, tiny_llama_config
+
+    torch.manual_seed(seed)
+    config = tiny_llama_config(
+        vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=geom.num_layers,
+        num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
+        intermediate_size=geom.ffn_hidden_size,
+    )
+    config.rms_norm_eps = geom.rms_eps
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    peft_model = random_lora(model, rank=lora_rank, alpha=lora_alpha, targets=ALL_TARGETS, seed=seed + 1, scale=0.1)
+    share_fused_lora_a(peft_model)
+    lora = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return {"full": full, "lora": lora}
+
+
+def share_fused_lora_a(peft_model: torch.nn.Module) -> None:
+    """Make k/v share q's lora_A and up share gate's: what a fused Megatron module can express."""
+    with torch.no_grad():
+        for layer in peft_model.base_model.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.k_proj, attn.v_proj):
+                m.lora_A["default"].weight.copy_(attn.q_proj.lora_A["default"].weight)
+            mlp.up_proj.lora_A["default"].weight.copy_(mlp.gate_proj.lora_A["default"].weight)
+
+
+def vocab_pad(geom: Geometry, seed: int = 7) -> torch.Tensor:
+    """Garbage for Megatron's vocab padding rows: conversion must drop it."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(geom.padded_vocab_size - geom.vocab_size, geom.hidden_size, generator=gen) * 100
+
+
+def hf_llama(geom: Geometry, full: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    from colosync.models import tiny_llama_config
+
+    config = tiny_llama_config(
+        vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=geom.num_layers,
+        num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
+        intermediate_size=geom.ffn_hidden_size,
+    )
+    config.rms_norm_eps = geom.rms_eps
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(dict(full), strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, rank: int, alpha: float) -> torch.Tensor:
+    """The weight change a LoRA pair makes, read with the manifest's rank and alpha."""
+    return (b.double() @ a.double()) * (alpha / rank)
+
+
+def close(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Relative error ||x - y|| / ||y||."""
+    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
+
+
+
+def module_from_named(named: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A bare module tree whose ``named_parameters()`` are exactly ``named`` (single-process tests)."""
+    root = torch.nn.Module()
+    for name, value in named.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, torch.nn.Parameter(value.clone(), requires_grad=False))
+    return root
+
+
+def megatron_named(ctx: Any, hf: Mapping[str, torch.Tensor], pad: torch.Tensor, convention: Convention = "peft") -> dict[str, torch.Tensor]:
+    """TP=1, PP=1 Megatron (local spec) parameter names and tensors for ``ctx``'s plan, from HF/PEFT."""
+    from colosync.sources.megatron_layout import Role, plan, to_megatron
+
+    a_name, b_name = LORA_NAMES[convention]
+    out = {}
+    for item in plan(ctx):
+        prefix = f"decoder.layers.{item.local_layer}." if item.local_layer is not None else ""
+        suffix = {Role.WEIGHT: "weight", Role.LORA_A: f"{a_name}.weight", Role.LORA_B: f"{b_name}.weight"}[item.role]
+        out[f"{prefix}{item.slot.value}.{suffix}"] = to_megatron(item, hf, ctx, pad)
+    return out

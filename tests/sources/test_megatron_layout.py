@@ -1,0 +1,316 @@
+"""Single-process tests of the Megatron -> HF/PEFT conversion and of the context's journey.
+
+Layout functions are checked against independent oracles (explicit per-head / per-shard
+loops, HF's and PEFT's own parameter names and shapes); the context is checked end to end
+through the Sender: whatever the bucket size, every bucket's manifest carries the
+context's LoRA rank and alpha, and the engine gets exactly the reference tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colosync.link import LocalLink
+from colosync.manifest import LoraSpec
+from colosync.receiver import Receiver
+from colosync.sender import Sender
+from colosync.sources import megatron, megatron_layout
+from colosync.sources.megatron import MegatronSource, ParallelGroups
+from colosync.sources.megatron_layout import (
+    DEFAULT_NAMING,
+    ConversionContext,
+    ConversionError,
+    NamingRule,
+    ParamKey,
+    Role,
+    Slot,
+    classify,
+    hf_specs,
+    merge_fc1,
+    merge_qkv,
+    plan,
+    split_fc1,
+    split_qkv,
+)
+from megatron_helpers import (
+    ALL_TARGETS,
+    Geometry,
+    make_reference,
+    megatron_named,
+    module_from_named,
+    vocab_pad,
+)
+from megatron_workers import RecordingTarget
+
+
+def _ctx(geom: Geometry = Geometry(), kind: str = "lora", tp: int = 1, pp: int = 1, **changes) -> ConversionContext:
+    """A context for ``geom``; ``changes`` override fields (``lora`` defaults to rank 6, alpha 9 for kind='lora')."""
+    lora = LoraSpec(rank=6, alpha=9.0, target_modules=ALL_TARGETS) if kind == "lora" else None
+    fields = dict(
+        num_layers=geom.num_layers, hidden_size=geom.hidden_size, num_attention_heads=geom.num_heads,
+        num_query_groups=geom.num_query_groups, head_dim=geom.head_dim, ffn_hidden_size=geom.ffn_hidden_size,
+        vocab_size=geom.vocab_size, padded_vocab_size=geom.padded_vocab_size, kind=kind, lora=lora,
+        tp_size=tp, pp_size=pp,
+    )
+    fields.update(changes)
+    return ConversionContext(**fields)
+
+
+# -- naming table ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("decoder.layers.3.self_attention.linear_qkv.weight", ParamKey(Slot.QKV, Role.WEIGHT, 3)),
+    ("module.module.decoder.layers.0.mlp.linear_fc2.weight", ParamKey(Slot.FC2, Role.WEIGHT, 0)),
+    ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", ParamKey(Slot.INPUT_NORM, Role.WEIGHT, 1)),
+    ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 1)),
+    ("decoder.layers.2.pre_mlp_layernorm.weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 2)),
+    # PEFT's LoraParallelLinear on Megatron
+    ("decoder.layers.0.self_attention.linear_proj.base_layer.weight", ParamKey(Slot.PROJ, Role.WEIGHT, 0)),
+    ("decoder.layers.0.self_attention.linear_proj.lora_A.default.weight", ParamKey(Slot.PROJ, Role.LORA_A, 0)),
+    ("decoder.layers.0.self_attention.linear_proj.lora_B.weight", ParamKey(Slot.PROJ, Role.LORA_B, 0)),
+    # NeMo / Megatron-Bridge
+    ("decoder.layers.5.mlp.linear_fc1.to_wrap.weight", ParamKey(Slot.FC1, Role.WEIGHT, 5)),
+    ("decoder.layers.5.mlp.linear_fc1.adapter.linear_in.weight", ParamKey(Slot.FC1, Role.LORA_A, 5)),
+    ("decoder.layers.5.mlp.linear_fc1.adapter.linear_out.weight", ParamKey(Slot.FC1, Role.LORA_B, 5)),
+    ("embedding.word_embeddings.weight", ParamKey(Slot.EMBEDDING, Role.WEIGHT)),
+    ("output_layer.weight", ParamKey(Slot.OUTPUT, Role.WEIGHT)),
+])
+def test_naming_table_accepts_every_convention(name, key):
+    assert classify(name, DEFAULT_NAMING) == key
+
+
+def test_unknown_names_ask_for_a_naming_rule_and_rules_extend_the_table():
+    name = "decoder.layers.0.self_attention.linear_qkv.my_lora.down.weight"
+    with pytest.raises(ConversionError, match="NamingRule"):
+        classify(name, DEFAULT_NAMING)
+    extended = DEFAULT_NAMING + (
+        NamingRule(r"decoder\.layers\.(?P<layer>\d+)\.self_attention\.linear_qkv\.my_lora\.down\.weight", Slot.QKV,
+                   Role.LORA_A),
+    )
+    assert classify(name, extended) == ParamKey(Slot.QKV, Role.LORA_A, 0)
+    with pytest.raises(ConversionError, match="bias"):
+        classify("decoder.layers.0.self_attention.linear_qkv.bias", DEFAULT_NAMING)
+
+
+# -- layouts against explicit oracles --------------------------------------------------------
+
+geometries = st.tuples(
+    st.sampled_from([1, 2, 4]),  # tp
+    st.integers(1, 3),  # query groups per TP rank
+    st.integers(1, 4),  # query heads per group
+    st.sampled_from([2, 4]),  # head_dim
+    st.sampled_from([1, 3]),  # trailing dim (hidden, or a LoRA rank)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(geometries)
+def test_qkv_deinterleave_matches_per_head_oracle(g):
+    tp, groups_per_rank, heads_per_group, hd, rest = g
+    groups = tp * groups_per_rank
+    heads = groups * heads_per_group
+    ctx = _ctx(Geometry(hidden_size=heads * hd, num_heads=heads, num_query_groups=groups, ffn_hidden_size=4 * tp),
+               kind="full", tp=tp, padded_vocab_size=256)
+    q = torch.randn(heads * hd, rest)
+    k = torch.randn(groups * hd, rest)
+    v = torch.randn(groups * hd, rest)
+    head = lambda t, i: t[i * hd:(i + 1) * hd]  # noqa: E731
+    # Megatron's layout, spelled out: TP rank r holds groups [r*gpr, (r+1)*gpr); each group is
+    # its query heads, then its key head, then its value head
+    shards = []
+    for r in range(tp):
+        rows = []
+        for grp in range(r * groups_per_rank, (r + 1) * groups_per_rank):
+            rows += [head(q, grp * heads_per_group + j) for j in range(heads_per_group)]
+            rows += [head(k, grp), head(v, grp)]
+        shards.append(torch.cat(rows))
+    gathered = torch.cat(shards)
+    got = split_qkv(gathered, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v)))
+    assert torch.equal(merge_qkv(q, k, v, ctx), gathered)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.integers(1, 5), st.sampled_from([1, 3]))
+def test_fc1_split_matches_per_shard_oracle(tp, per_rank, rest):
+    ffn = tp * per_rank
+    ctx = _ctx(Geometry(ffn_hidden_size=ffn, num_heads=4, num_query_groups=4), kind="full", tp=tp)
+    gate, up = torch.randn(ffn, rest), torch.randn(ffn, rest)
+    # each TP rank's local linear_fc1 is [its gate rows; its up rows]
+    gathered = torch.cat([torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]) for r in range(tp)])
+    got_gate, got_up = split_fc1(gathered, ctx)
+    assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
+    assert torch.equal(merge_fc1(gate, up, ctx), gathered)
+
+
+# -- the plan names what HF and PEFT name ----------------------------------------------------
+
+def test_plan_names_and_shapes_are_hf_and_peft_s_own():
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    from colosync.models import tiny_llama_config
+
+    geom = Geometry(num_layers=2)
+    config = tiny_llama_config(vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=2,
+                               num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
+                               intermediate_size=geom.ffn_hidden_size)
+    model = LlamaForCausalLM(config)
+    hf = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    assert {n: tuple(s) for n, s, _ in hf_specs(_ctx(geom, kind="full", tp=2))} == hf
+    peft_model = get_peft_model(model, LoraConfig(r=5, lora_alpha=7, target_modules=list(ALL_TARGETS)))
+    adapter = {n: tuple(t.shape) for n, t in get_peft_model_state_dict(peft_model).items()}
+    lora = LoraSpec(rank=5, alpha=7.0, target_modules=ALL_TARGETS)
+    assert {n: tuple(s) for n, s, _ in hf_specs(_ctx(geom, lora=lora, tp=2))} == adapter
+
+
+def test_pipeline_stage_offsets_give_global_layers():
+    ctx = _ctx(Geometry(num_layers=5), kind="full", pp=2, stage_layers=(3, 2))
+    layers = {(it.layer, it.stage, it.local_layer) for it in plan(ctx) if it.layer is not None}
+    assert layers == {(i, 0 if i < 3 else 1, i if i < 3 else i - 3) for i in range(5)}
+    assert {it.stage for it in plan(ctx) if it.slot is Slot.EMBEDDING} == {0}
+    assert {it.stage for it in plan(ctx) if it.slot in (Slot.OUTPUT, Slot.FINAL_NORM)} == {1}
+
+
+# -- the context ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))}, "k_proj"),
+    ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "lm_head"))}, "lm_head"),
+    ({"tp_size": 8}, "whole query groups"),
+    ({"padded_vocab_size": 249}, "padded_vocab_size"),
+    ({"pp_size": 3}, "stage_layers"),
+    ({"lora": None}, "LoraSpec"),
+])
+def test_context_rejects_what_would_convert_wrongly(changes, match):
+    with pytest.raises(ConversionError, match=match):
+        _ctx(**changes)
+
+
+def test_context_from_real_transformer_config_rejects_unsupported_architecture():
+    from megatron_helpers import transformer_config
+
+    config = transformer_config(Geometry(), tp=2, pp=2)
+    ctx = ConversionContext.from_megatron(config, 250, 256, "full", None, False)
+    assert (ctx.tp_size, ctx.pp_size, ctx.stage_layers, ctx.head_dim) == (2, 2, (2, 2), 8)
+    with pytest.raises(ConversionError, match="add_bias_linear"):
+        ConversionContext.from_megatron(dataclasses.replace(config, add_bias_linear=True), 250, 256, "full", None, False)
+
+
+def test_no_kwargs_anywhere_on_the_conversion_path():
+    """Context cannot be dropped by a stage that forwards **kwargs: there is no such stage."""
+    offenders, inspected = [], set()
+    for module in (megatron, megatron_layout):
+        for name, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue
+            members = [(name, obj)] + ([(f"{name}.{m}", f) for m, f in vars(obj).items()] if inspect.isclass(obj) else [])
+            for qual, fn in members:
+                fn = inspect.unwrap(getattr(fn, "__func__", fn))
+                if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                    inspected.add(qual)
+                    try:
+                        params = inspect.signature(fn).parameters.values()
+                    except (TypeError, ValueError):
+                        continue
+                    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+                        offenders.append(f"{module.__name__}.{qual}")
+    assert {"convert", "plan", "split_qkv", "MegatronSource.push", "MegatronSource.tensors",
+            "MegatronSource._bring"} <= inspected
+    assert not offenders
+
+
+def test_context_is_immutable():
+    ctx = _ctx()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.lora = None  # type: ignore[misc]
+
+
+# -- the context's journey through the Sender, single process --------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+    return make_reference(Geometry(num_layers=2), lora_rank=6, lora_alpha=9.0, seed=5)
+
+
+def _source(ctx: ConversionContext, reference: dict, convention: str = "peft") -> MegatronSource:
+    named = megatron_named(ctx if ctx.kind == "full" else dataclasses.replace(ctx, kind="full", lora=None),
+                           reference["full"], vocab_pad(Geometry()))
+    if ctx.kind == "lora":
+        named.update(megatron_named(ctx, {**reference["full"], **reference["lora"]}, vocab_pad(Geometry()), convention))
+    return MegatronSource(module_from_named(named), ctx, ParallelGroups())
+
+
+@settings(max_examples=12, deadline=None)
+@given(bucket_bytes=st.sampled_from([64, 256, 1024, 4096, 1 << 14, 1 << 30]), kind=st.sampled_from(["lora", "full"]))
+def test_context_reaches_every_bucket_and_stream_is_exact(reference, bucket_bytes, kind):
+    ctx = _ctx(Geometry(num_layers=2), kind=kind, lora=None if kind == "full" else LoraSpec(
+        rank=6, alpha=9.0, target_modules=ALL_TARGETS))
+    source = _source(ctx, reference)
+    target = RecordingTarget(reference["full"])
+    begun, flushed = [], []
+
+    class Watch(LocalLink):  # what the engine is told: the manifest once, then one Stage per bucket chunk
+        def submit(self, request):  # noqa: ANN001, ANN201
+            from colosync.protocol import Begin, Stage
+
+            if isinstance(request, Begin):
+                begun.append(request.manifest)
+            if isinstance(request, Stage):
+                flushed.append((request.update_id, request.bucket))
+            return super().submit(request)
+
+    receiver = Receiver(target)
+    with Sender(Watch(receiver), transport="shm", bucket_bytes=bucket_bytes) as sender:
+        report = source.push(sender)
+    receiver.close()
+    expected = reference["lora"] if kind == "lora" else reference["full"]
+    (manifest,) = begun
+    assert target.manifests == [manifest] and receiver.committed_update_id == report.update_id
+    assert manifest.lora == ctx.lora  # the context's own spec; None for a full update
+    assert {b for _, b in flushed} == set(range(len(manifest.bucket_sizes)))
+    assert {u for u, _ in flushed} == {manifest.update_id}
+    if bucket_bytes == 64:
+        assert len(manifest.bucket_sizes) == len(expected)  # a flush after every single tensor
+    for bucket in range(len(manifest.bucket_sizes)):
+        for meta in manifest.bucket_tensors(bucket):
+            if kind == "lora":  # each bucket's adapter halves have the context's rank
+                assert (meta.shape[0] if ".lora_A." in meta.name else meta.shape[1]) == ctx.lora.rank == 6
+    if kind == "lora":
+        assert (manifest.lora.rank, manifest.lora.alpha) == (6, 9.0)
+    assert list(target.committed) == [name for name, _, _ in hf_specs(ctx)]
+    assert set(target.committed) == set(expected)
+    assert all(torch.equal(target.committed[n], t) for n, t in expected.items())
+
+
+def test_wrong_rank_in_context_is_refused_before_anything_moves(reference):
+    good = _source(_ctx(Geometry(num_layers=2)), reference)
+    named = dict(good._local[k] for k in good._local)
+    wrong = _ctx(Geometry(num_layers=2), lora=LoraSpec(rank=8, alpha=9.0, target_modules=ALL_TARGETS))
+    with pytest.raises(ConversionError, match="lora rank 8 from the LoraSpec"):
+        MegatronSource(module_from_named(named), wrong, ParallelGroups())
+
+
+def test_adapters_must_match_target_modules(reference):
+    good = _source(_ctx(Geometry(num_layers=2)), reference)
+    named = dict(good._local[k] for k in good._local)
+    fewer = LoraSpec(rank=6, alpha=9.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    with pytest.raises(ConversionError, match="not among the LoraSpec's target_modules"):
+        MegatronSource(module_from_named(named), _ctx(Geometry(num_layers=2), lora=fewer), ParallelGroups())
+    without_fc2 = {n: t for n, t in named.items() if not ("linear_fc2" in n and "lora" in n)}
+    with pytest.raises(ConversionError, match="down_proj"):
+        MegatronSource(module_from_named(without_fc2), _ctx(Geometry(num_layers=2)), ParallelGroups())
+
+
+def test_fused_parts_with_different_lora_a_cannot_be_expressed():
+    ctx = _ctx(Geometry(num_layers=1))
+    item = next(it for it in plan(ctx) if it.slot is Slot.QKV and it.role is Role.LORA_A)
+    hf = {out.name: torch.randn(out.shape) for out in item.outputs}
+    with pytest.raises(ConversionError, match="shares one lora_A"):
+        megatron_layout.to_megatron(item, hf, ctx)
