@@ -94,27 +94,49 @@ def fill_lora(peft_model: torch.nn.Module, seed: int, scale: float = 0.05) -> No
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-@torch.no_grad()
 def greedy(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy continuation of each prompt, with the logprob of every chosen token."""
+    return generate(model, prompts, max_new_tokens)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Continue each prompt (greedy at temperature 0, else sampled from ``seed``).
+
+    Prompts of equal length decode together as one batch with a KV cache. Returns the
+    tokens and the logprob of each under the model's unscaled distribution.
+    """
     device = next(model.parameters()).device
-    all_tokens, all_logprobs = [], []
-    for prompt in prompts:
-        out = model(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
-        tokens, logprobs = [], []
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    groups: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(len(prompt), []).append(i)
+    for rows in groups.values():
+        ids = torch.tensor([list(prompts[i]) for i in rows], device=device)
+        out = model(input_ids=ids, use_cache=True)
         for _ in range(max_new_tokens):
-            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-            token = int(logp.argmax())
-            tokens.append(token)
-            logprobs.append(float(logp[token]))
-            out = model(
-                input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True
-            )
-        all_tokens.append(tokens)
-        all_logprobs.append(logprobs)
-    return all_tokens, all_logprobs
+            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            if temperature > 0:
+                probs = torch.softmax(logp.cpu() / temperature, dim=-1)
+                picked = torch.multinomial(probs, 1, generator=gen).to(device)
+            else:
+                picked = logp.argmax(dim=-1, keepdim=True)
+            chosen = logp.gather(1, picked).flatten().tolist()
+            for row, token, lp in zip(rows, picked.flatten().tolist(), chosen):
+                tokens[row].append(token)
+                logprobs[row].append(lp)
+            out = model(input_ids=picked, past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
 
 
 @torch.no_grad()

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class Generate(msgspec.Struct, tag="generate", frozen=True):
     prompts: list[list[int]]
     max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or not all(self.prompts):
@@ -171,10 +173,12 @@ class HFEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def handle(self, request: Generate | Score, receiver: Receiver) -> Generation | Scores:
-        from ..models import greedy, score
+        from ..models import generate, score
 
         with self._serving():
             if isinstance(request, Generate):
-                tokens, logprobs = greedy(self.model, request.prompts, request.max_new_tokens)
+                tokens, logprobs = generate(
+                    self.model, request.prompts, request.max_new_tokens, request.temperature, request.seed
+                )
                 return Generation(receiver.committed_update_id, tokens, logprobs)
             return Scores(receiver.committed_update_id, score(self.model, request.prompts, request.completions))

@@ -76,19 +76,52 @@ def codecs(engine_cls: type) -> tuple[Codec, Codec]:
     return Codec(Union[requests]), Codec(Union[replies])  # noqa: UP007 - runtime union
 
 
-def _serve(config_bytes: bytes, ready: Connection) -> None:
-    from . import engine_class
+class EngineHost:
+    """An engine and its Receiver behind one bytes-in, bytes-out entry point.
 
+    The same host serves a spawned process (``EngineProcess``), a Ray actor, or anything
+    else that can move bytes; replies are ``Ack``/``Failed`` or the engine's own structs.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from . import engine_class
+
+        cls = engine_class(config.engine)
+        self.engine = cls.from_config(config)
+        self.receiver = Receiver(self.engine, self.engine.device, config.policy())
+        self.request_codec, self.reply_codec = codecs(cls)
+
+    def handle(self, request: msgspec.Struct) -> msgspec.Struct:
+        try:
+            if isinstance(request, TransactionRequest.__args__):
+                return self.receiver.handle(request)
+            return self.engine.handle(request, self.receiver)
+        except ColosyncError as exc:
+            return Failed.from_exception(exc)
+        except Exception as exc:
+            log.exception("engine: request %s failed", type(request).__name__)
+            return Failed.from_exception(exc)
+
+    def handle_bytes(self, data: bytes) -> bytes:
+        try:
+            request = self.request_codec.decode(data)
+        except ColosyncError as exc:
+            return self.reply_codec.encode(Failed.from_exception(exc))
+        return self.reply_codec.encode(self.handle(request))
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def _serve(config_bytes: bytes, ready: Connection) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    cls = engine_class(config.engine)
     try:
-        engine = cls.from_config(config)
-        receiver = Receiver(engine, engine.device, config.policy())
+        host = EngineHost(config)
     except BaseException as exc:
         ready.send_bytes(msgspec.msgpack.encode(Failed.from_exception(exc)))
         raise
-    request_codec, reply_codec = codecs(cls)
+    receiver = host.receiver
     folder = tempfile.mkdtemp(prefix="colosync-engine-")
     os.chmod(folder, 0o700)
     address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
@@ -126,27 +159,22 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
                         receiver.abort(receiver.in_flight, "the sender disconnected mid-update")
                     continue
                 try:
-                    request = request_codec.decode(data)
-                    if isinstance(request, Shutdown):
-                        reply: msgspec.Struct = receiver.status()
-                        running = False
-                    elif isinstance(request, TransactionRequest.__args__):
-                        reply = receiver.handle(request)
-                        if isinstance(request, Begin):
-                            owner = conn
-                    else:
-                        reply = engine.handle(request, receiver)
+                    request = host.request_codec.decode(data)
                 except ColosyncError as exc:
-                    reply = Failed.from_exception(exc)
-                except Exception as exc:
-                    log.exception("engine: request failed")
-                    reply = Failed.from_exception(exc)
-                conn.send_bytes(reply_codec.encode(reply))
+                    reply: msgspec.Struct = Failed.from_exception(exc)
+                else:
+                    if isinstance(request, Shutdown):
+                        reply, running = receiver.status(), False
+                    else:
+                        reply = host.handle(request)
+                        if isinstance(request, Begin) and not isinstance(reply, Failed):
+                            owner = conn
+                conn.send_bytes(host.reply_codec.encode(reply))
             if not current:
                 time.sleep(0.05)
             receiver.check_timeout()
     finally:
-        receiver.close()
+        host.close()
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
 
