@@ -2,11 +2,15 @@
 
 Works in any container where two processes share ``/dev/shm``; no CUDA IPC needed. The
 segment is created once (mode 0600, name ``colosync-`` plus 128 random bits), reused for every
-update, and its name is unlinked as soon as the receiver has mapped it, so nothing can leak
+update, and its name is unlinked as soon as the receivers have acknowledged mapping it, so nothing can leak
 past the two processes that use it. If the creator dies before that, Python's resource
 tracker unlinks it. When CUDA is present each side registers its mapping as pinned memory
 (``cudaHostRegister``), so device<->host copies run at DMA speed instead of through a pageable
 bounce buffer.
+
+For buckets on a GPU the segment is cut into more, smaller slots (``CHUNK_BYTES`` each, the
+same total of ``slots`` buckets): the sender's device->host copy of one chunk then overlaps
+the engine's host->device copy of the previous one, which PCIe (full duplex) runs at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from .base import ReceiverTransport, SenderTransport
 log = logging.getLogger(__name__)
 
 PREFIX = "colosync-"
+CHUNK_BYTES = int(float(os.environ.get("COLOSYNC_SHM_CHUNK_MB", "16")) * (1 << 20)) // 8192 * 8192
+"""Slot size for buckets on a GPU (``COLOSYNC_SHM_CHUNK_MB`` overrides; a multiple of 8 KiB)."""
 
 
 class ShmHandle(msgspec.Struct, frozen=True):
@@ -108,6 +114,13 @@ class ShmSender(SenderTransport):
     def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "ShmSender":
         return cls(slot_bytes, slots, device)
 
+    @classmethod
+    def geometry(cls, bucket_bytes: int, slots: int, device: torch.device) -> tuple[int, int]:
+        total = bucket_bytes * slots
+        if device.type != "cuda" or CHUNK_BYTES <= 0 or bucket_bytes <= CHUNK_BYTES:
+            return bucket_bytes, slots
+        return CHUNK_BYTES, max(2, total // CHUNK_BYTES)
+
     def __init__(self, slot_bytes: int, slots: int, device: torch.device) -> None:
         if slot_bytes <= 0 or slots <= 0:
             raise TransportError(f"shm needs slot_bytes > 0 and slots > 0, got {slot_bytes}, {slots}")
@@ -167,11 +180,19 @@ class ShmReceiver(ReceiverTransport):
             raise TransportError(f"refusing to map {handle.name!r}: not a colosync segment")
         self._handle = handle
         self._map = _Mapping(handle.name, handle.slot_bytes * handle.slots, create=False, pin=device.type == "cuda")
-        _unlink(handle.name)  # both sides hold the mapping now; the name is no longer needed
+        # The sender unlinks the name once every receiver (e.g. each vLLM TP worker) has acknowledged.
 
     def slot(self, index: int) -> torch.Tensor:
         start = index * self._handle.slot_bytes
         return self._map.tensor[start : start + self._handle.slot_bytes]
+
+    @property
+    def num_slots(self) -> int:
+        return self._handle.slots
+
+    @property
+    def pinned(self) -> bool:
+        return self._map.pinned
 
     def close(self) -> None:
         self._map.close()

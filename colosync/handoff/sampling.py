@@ -1,0 +1,225 @@
+"""Measure host and device memory while a handoff runs.
+
+Host: what a cgroup charges a job is its anonymous plus shared memory ("anon+shmem", the
+figure seeds/003 reports), so the sampler reads ``RssAnon`` and ``RssShmem`` of this process
+and its children from ``/proc/<pid>/status`` (cheap enough to poll every few milliseconds),
+with total RSS and the system-wide used/shared figures alongside. ``psutil`` finds the
+children and the system figures; without it the same numbers come from ``/proc``.
+
+Device: ``cudaMemGetInfo`` (``torch.cuda.mem_get_info``) sees every process on the GPU, which
+is what matters when the engine runs in other processes; torch's own reserved/peak counters
+are kept alongside for this process. ``PeakWatcher`` polls both on a thread to catch peaks
+inside an operation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:  # psutil is a dependency, but a bare GPU host may lack it: fall back to /proc
+    import psutil
+except ImportError:  # pragma: no cover - exercised only where psutil is missing
+    psutil = None  # type: ignore[assignment]
+
+
+_libc = None
+
+
+def trim_host_allocator() -> bool:
+    """Ask glibc to return freed heap memory to the OS (``malloc_trim(0)``).
+
+    Tensors below glibc's mmap threshold (up to 32 MiB) live on the heap, and freeing them
+    does not lower the process's RSS until the heap is trimmed; without this, CPU tensors
+    that a participant really freed would still look resident. Returns False where there is
+    no glibc."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    _libc.malloc_trim(0)
+    return True
+
+
+@dataclass(frozen=True)
+class HostSample:
+    anon: int
+    shmem: int
+    rss: int
+    system_used: int
+    system_shared: int
+
+    @property
+    def value(self) -> int:
+        """anon + shmem of the process tree: what the sampler compares against limits."""
+        return self.anon + self.shmem
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    used: int
+    """Bytes in use on the device by every process (total - free)."""
+    total: int
+    reserved: int
+    """Bytes torch's caching allocator holds in this process."""
+
+
+def _status_fields(pid: int | str) -> dict[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    out = {}
+    for line in data.split(b"\n"):
+        if line.startswith((b"VmRSS:", b"RssAnon:", b"RssShmem:", b"RssFile:")):
+            key, value = line.split(b":", 1)
+            out[key.decode()] = int(value.split()[0]) * 1024
+    return out
+
+
+def _children_proc(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out.append(kid)
+            out.extend(_children_proc(kid))
+    return out
+
+
+def _meminfo() -> tuple[int, int]:
+    if psutil is not None:
+        vm = psutil.virtual_memory()
+        return int(vm.total - vm.available), int(getattr(vm, "shared", 0))
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return fields.get("MemTotal", 0) - fields.get("MemAvailable", 0), fields.get("Shmem", 0)
+
+
+class HostSampler:
+    """Samples the host memory of this process and (optionally) its children."""
+
+    def __init__(self, *, children: bool = True, system: bool = True) -> None:
+        self.children = children
+        self.system = system
+        self._pids: list[int] = [os.getpid()]
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-discover child processes (engine workers may start late)."""
+        me = os.getpid()
+        if not self.children:
+            self._pids = [me]
+        elif psutil is not None:
+            try:
+                self._pids = [me] + [c.pid for c in psutil.Process(me).children(recursive=True)]
+            except psutil.Error:
+                self._pids = [me]
+        else:
+            self._pids = [me] + _children_proc(me)
+
+    def sample(self) -> HostSample:
+        anon = shmem = rss = 0
+        for pid in self._pids:
+            fields = _status_fields(pid)
+            if fields is None:
+                if psutil is not None:  # not Linux: RSS only
+                    try:
+                        rss_pid = psutil.Process(pid).memory_info().rss
+                    except psutil.Error:
+                        continue
+                    anon += rss_pid
+                    rss += rss_pid
+                continue
+            anon += fields.get("RssAnon", fields.get("VmRSS", 0))
+            shmem += fields.get("RssShmem", 0)
+            rss += fields.get("VmRSS", 0)
+        used, shared = _meminfo() if self.system else (0, 0)
+        return HostSample(anon=anon, shmem=shmem, rss=rss, system_used=used, system_shared=shared)
+
+
+class DeviceSampler:
+    """Samples one CUDA device; on a machine without CUDA every sample is None."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.enabled = torch.cuda.is_available()
+        if self.enabled:
+            dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            if dev.type != "cuda":
+                self.enabled = False
+            self.device = dev
+        else:
+            self.device = torch.device("cpu")
+
+    def sample(self) -> DeviceSample | None:
+        if not self.enabled:
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return DeviceSample(used=total - free, total=total, reserved=torch.cuda.memory_reserved(self.device))
+
+
+class PeakWatcher:
+    """Polls host and device on a background thread; ``take()`` returns and resets the maxima."""
+
+    def __init__(self, host: HostSampler, device: DeviceSampler, interval_s: float = 0.005) -> None:
+        self.host = host
+        self.device = device
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._host_max = 0
+        self._dev_max = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="colosync-peak-watcher", daemon=True)
+
+    def __enter__(self) -> PeakWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        if self.device.enabled:
+            torch.cuda.set_device(self.device.device)
+        while not self._stop.wait(self.interval_s):
+            h = HostSampler.sample(self.host).value
+            d = self.device.sample()
+            with self._lock:
+                self._host_max = max(self._host_max, h)
+                if d is not None:
+                    self._dev_max = max(self._dev_max, d.used)
+
+    def take(self) -> tuple[int, int]:
+        with self._lock:
+            out = (self._host_max, self._dev_max)
+            self._host_max = self._dev_max = 0
+        return out
