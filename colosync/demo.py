@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
                    help="rollout engine (auto: vLLM when installed, else the hf reference engine)")
     p.add_argument("--transport", default="auto", help="colosync transport (auto picks the fastest that works)")
-    p.add_argument("--steps", type=int, default=40, help="RL steps (default 40)")
+    p.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=2e-2, help="LoRA learning rate (default 2e-2)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
@@ -120,7 +120,8 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="colosync-demo-"))
-    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed))
+    # head size 32: the smallest vLLM's CPU attention runs
+    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed, hidden_size=128, intermediate_size=256))
     task = Task.make(seed=seed)
     ray.init(address=ray_address, num_cpus=None if ray_address else 2, include_dashboard=False,
              log_to_driver=False, configure_logging=False, ignore_reinit_error=True)
@@ -132,7 +133,7 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
 
         trainer = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
             model_dir, engine_actor, engine_cls, transport, 8, 16.0, lr, seed, device, threads)
-        driver = RayLink(engine_actor, _engine_class(engine_cls))
+        driver = RayLink(engine_actor, engine_cls)
         first = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
         before = driver.call(Generate(task.prompts, task.max_new_tokens))
         report = DemoReport(engine, first.transport, device, before=before.tokens, parity_tolerance=tolerance)
@@ -156,16 +157,10 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     return report
 
 
-def _engine_class(name: str) -> type:
-    from .engines import engine_class
-
-    return engine_class(name)
-
-
 def _start_engine(
     engine: str, model_dir: str, device: str, gpu: float, threads: int, console: Any
 ) -> tuple[Any, str, float]:
-    """The engine actor, its registry name and the parity tolerance for its numerics."""
+    """The engine actor, the class whose messages it speaks, and the parity tolerance."""
     import msgspec
     import ray
 
@@ -179,11 +174,13 @@ def _start_engine(
         actor = ray.remote(num_cpus=1, num_gpus=gpu)(VllmEngineActor).remote(msgspec.msgpack.encode(config), threads)
         console.print("starting vLLM inside a Ray actor (about 30 s on 2 CPU cores)...")
         ray.get(actor.pid.remote())
-        return actor, "vllm", 1e-3
+        return actor, VllmEngineActor, 1e-3
+    from .engines.hf import HFEngine
+
     config = EngineConfig(engine="hf", model_dir=model_dir, device=device, max_lora_rank=16)
     actor = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config), threads)
     ray.get(actor.pid.remote())
-    return actor, "hf", 1e-5
+    return actor, HFEngine, 1e-5
 
 
 def _step(

@@ -52,8 +52,16 @@ class RayLink:
 
 
 def memory_sample(device: torch.device) -> dict[str, int]:
-    """This process's resident host memory and peak device memory since the last sample."""
-    out = {"host_rss": psutil.Process(os.getpid()).memory_info().rss, "gpu_peak": 0}
+    """Resident host memory of this process and its children (e.g. vLLM's engine core), and
+    peak device memory since the last sample."""
+    me = psutil.Process(os.getpid())
+    rss = me.memory_info().rss
+    for child in me.children(recursive=True):
+        try:
+            rss += child.memory_info().rss
+        except psutil.Error:
+            pass
+    out = {"host_rss": rss, "gpu_peak": 0}
     if device.type == "cuda":
         out["gpu_peak"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -84,12 +92,11 @@ class TrainerActor:
     """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step."""
 
     def __init__(
-        self, model_dir: str, engine: Any, engine_cls_name: str, transport: str, rank: int, alpha: float,
+        self, model_dir: str, engine: Any, engine_cls: type, transport: str, rank: int, alpha: float,
         lr: float, seed: int, device: str, threads: int = 0,
     ) -> None:
         from peft import LoraConfig, get_peft_model
 
-        from .engines import engine_class
         from .models import LORA_TARGETS, load_model
         from .sender import Sender
 
@@ -102,7 +109,7 @@ class TrainerActor:
         self.model = get_peft_model(base, config).eval()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(params, lr=lr)
-        self.sender = Sender(RayLink(engine, engine_class(engine_cls_name)), transport=transport)
+        self.sender = Sender(RayLink(engine, engine_cls), transport=transport)
 
     def push(self) -> bytes:
         return msgspec.msgpack.encode(self.sender.push_peft(self.model))
