@@ -17,6 +17,7 @@ Public API::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, ClassVar
 
@@ -162,8 +163,6 @@ class HFEngine:
 
     def _serving(self) -> Any:
         """Activate exactly the committed adapter (or none) for the next forward pass."""
-        import contextlib
-
         if self._peft is None:
             return contextlib.nullcontext()
         if self._served_adapter is None:

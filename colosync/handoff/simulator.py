@@ -17,7 +17,6 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +137,13 @@ def sizes_from_workload(doc: Mapping[str, Any]) -> HandoffSizes:
 def preset_names() -> list[str]:
     """Handoff workloads shipped inside the package (``--workload NAME``)."""
     names = []
-    for entry in resources.files("colosync").joinpath("workloads").iterdir():
+    for entry in WORKLOADS.iterdir():
         if entry.name.endswith("-handoff.json"):
             names.append(entry.name.removesuffix("-handoff.json"))
     return sorted(names)
+
+
+WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"  # shipped as package data
 
 
 def load_workload(name_or_path: str) -> tuple[HandoffSizes, dict[str, Any]]:
@@ -150,9 +152,8 @@ def load_workload(name_or_path: str) -> tuple[HandoffSizes, dict[str, Any]]:
     if path.suffix == ".json" and path.exists():
         doc = json.loads(path.read_text())
     else:
-        base = resources.files("colosync").joinpath("workloads")
         for candidate in (f"{name_or_path}-handoff.json", f"{name_or_path}.json"):
-            entry = base.joinpath(candidate)
+            entry = WORKLOADS / candidate
             if entry.is_file():
                 doc = json.loads(entry.read_text())
                 break
