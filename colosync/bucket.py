@@ -60,16 +60,53 @@ def tensor_views(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> dict[str,
     }
 
 
+def typed_views(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[torch.Tensor]:
+    """Like ``tensor_views`` but a list, in ``metas`` order."""
+    return [buffer[m.offset : m.offset + m.nbytes].view(m.torch_dtype).view(m.shape) for m in metas]
+
+
 def pack_into(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
     """Copy ``tensors`` into their slots of ``buffer`` with one fused copy."""
     if not metas:
         return
     dst = list(tensor_views(buffer, metas).values())
     with torch.no_grad():
-        torch._foreach_copy_(dst, [t.detach() for t in tensors])
+        torch._foreach_copy_(dst, list(tensors))
 
 
 _FP_ROW = 1024  # int64 words per fingerprint row (8 KiB)
+
+
+def fingerprint_tensor(buffer: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """The fingerprint of ``buffer`` as a 0-d int64 tensor on its device, without a sync.
+
+    ``buffer`` holds bytes ``[offset, offset + len)`` of a bucket (``offset`` and the length are
+    multiples of 8): word ``i`` of the bucket counts ``word * (i // 1024 + 1)``, so the
+    fingerprints of consecutive chunks add up to the bucket's (integer sums wrap identically
+    on every device). Sender and receiver can therefore fingerprint a bucket chunk by chunk,
+    wherever each chunk's bytes already are.
+    """
+    words = buffer.view(torch.int64)
+    first = offset // 8
+    head = min((-first) % _FP_ROW, words.numel())
+    parts = []
+    if head:
+        parts.append(words[:head].sum() * (first // _FP_ROW + 1))
+    rest = words[head:]
+    row0 = (first + head) // _FP_ROW
+    rows = rest.numel() // _FP_ROW
+    if rows:
+        body = rest[: rows * _FP_ROW].view(rows, _FP_ROW).sum(dim=1)
+        weights = torch.arange(row0 + 1, row0 + rows + 1, device=buffer.device, dtype=torch.int64)
+        parts.append((body * weights).sum())
+    if rest.numel() > rows * _FP_ROW:
+        parts.append(rest[rows * _FP_ROW :].sum() * (row0 + rows + 1))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=buffer.device)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def fingerprint(buffer: torch.Tensor) -> int:
@@ -81,12 +118,37 @@ def fingerprint(buffer: torch.Tensor) -> int:
     """
     if buffer.numel() == 0:
         return 0
-    words = buffer.view(torch.int64)
-    rows = words.numel() // _FP_ROW
-    body = words[: rows * _FP_ROW].view(rows, _FP_ROW).sum(dim=1)
-    weights = torch.arange(1, rows + 1, device=buffer.device, dtype=torch.int64)
-    tail = words[rows * _FP_ROW :].sum() * (rows + 1)
-    return int((body * weights).sum() + tail)
+    return int(fingerprint_tensor(buffer))
 
 
-__all__ = ["ALIGN", "NamedTensors", "plan_buckets", "pack_into", "tensor_views", "fingerprint"]
+def float_runs(metas: Sequence[TensorMeta], base: int = 0) -> list[tuple[int, int, torch.dtype]] | None:
+    """Byte ranges ``[start, end)`` (relative to ``base``) of consecutive same-dtype floating tensors.
+
+    A non-finite check can then read a whole run (padding between its tensors included) as
+    one tensor instead of one view per parameter. ``None`` if some floating tensor is 1-byte
+    (fp8 has no reduction kernels), so the caller checks tensor by tensor.
+    """
+    runs: list[tuple[int, int, torch.dtype]] = []
+    open_run = False  # may the next tensor extend the last run (nothing else in between)?
+    for m in sorted(metas, key=lambda m: m.offset):
+        dtype = m.torch_dtype
+        if not dtype.is_floating_point:
+            open_run = False
+            continue
+        if m.nbytes == 0:
+            continue
+        if dtype.itemsize == 1:
+            return None
+        start, end = m.offset - base, m.offset - base + m.nbytes
+        if open_run and runs[-1][2] == dtype and (start - runs[-1][1]) % dtype.itemsize == 0:
+            runs[-1] = (runs[-1][0], end, dtype)
+        else:
+            runs.append((start, end, dtype))
+        open_run = True
+    return runs
+
+
+__all__ = [
+    "ALIGN", "NamedTensors", "plan_buckets", "pack_into", "tensor_views", "fingerprint", "fingerprint_tensor",
+    "typed_views", "float_runs",
+]

@@ -51,6 +51,14 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+_CACHE_METAS = 1 << 17
+_CACHE_LAYOUTS = 64
+_VALID_METAS: set["TensorMeta"] = set()
+_LAYOUTS: dict[tuple, tuple] = {}  # (tensors, bucket_sizes) -> the canonical pair
+_LAYOUT_IDS: dict[int, tuple] = {}  # id(canonical tensors) -> the canonical pair
+_TOTALS: dict[int, tuple] = {}  # id(canonical tensors) -> (tensors, total bytes)
+
+
 class TensorMeta(msgspec.Struct, frozen=True):
     """Where one named tensor lives inside the update's buckets."""
 
@@ -62,6 +70,8 @@ class TensorMeta(msgspec.Struct, frozen=True):
     nbytes: int
 
     def __post_init__(self) -> None:
+        if self in _VALID_METAS:  # the same layout arrives every update: validate it once
+            return
         if not self.name:
             raise ManifestError("tensor name is empty; every tensor needs its parameter name")
         torch_dtype = dtype_from_name(self.dtype)
@@ -80,6 +90,9 @@ class TensorMeta(msgspec.Struct, frozen=True):
             )
         if self.offset % ALIGN:
             raise ManifestError(f"tensor {self.name!r}: offset {self.offset} is not {ALIGN}-byte aligned")
+        if len(_VALID_METAS) >= _CACHE_METAS:
+            _VALID_METAS.clear()
+        _VALID_METAS.add(self)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -125,38 +138,74 @@ class UpdateManifest(msgspec.Struct, frozen=True):
                 f"kind={self.kind!r} with lora={'set' if self.lora else 'missing'}: a LoRA update "
                 "needs a LoraSpec and a full update must not carry one"
             )
-        for i, size in enumerate(self.bucket_sizes):
-            if size < 0 or size % ALIGN:
-                raise ManifestError(f"bucket {i}: size {size} must be >= 0 and a multiple of {ALIGN}")
-        seen: set[str] = set()
-        spans: dict[int, list[tuple[int, int, str]]] = {}
-        for t in self.tensors:
-            if t.name in seen:
-                raise ManifestError(f"tensor {t.name!r} appears twice; names must be unique in one update")
-            seen.add(t.name)
-            if t.bucket >= len(self.bucket_sizes):
-                raise ManifestError(
-                    f"tensor {t.name!r} is in bucket {t.bucket} but the update has "
-                    f"{len(self.bucket_sizes)} buckets"
-                )
-            if t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
-                raise ManifestError(
-                    f"tensor {t.name!r} spans bytes [{t.offset}, {t.offset + t.nbytes}) beyond "
-                    f"bucket {t.bucket}'s {self.bucket_sizes[t.bucket]} bytes"
-                )
-            spans.setdefault(t.bucket, []).append((t.offset, t.offset + t.nbytes, t.name))
-        for bucket, ranges in spans.items():
-            ranges.sort()
-            for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
-                if start < end:
-                    raise ManifestError(f"tensors {name!r} and {other!r} overlap in bucket {bucket}")
+        self._intern_layout()
+
+    def _intern_layout(self) -> None:
+        """Check the tensor layout once per distinct layout and share one tuple per layout.
+
+        A sender repeats the same layout every update; after the first check, a manifest's
+        ``tensors`` and ``bucket_sizes`` are the very objects of the first one, so receivers
+        and engines can key their per-layout caches on ``manifest.tensors`` identity for free.
+        """
+        known = _LAYOUT_IDS.get(id(self.tensors))
+        if known is not None and known[0] is self.tensors and known[1] == self.bucket_sizes:
+            canon = known
+        else:
+            key = (self.tensors, self.bucket_sizes)
+            canon = _LAYOUTS.get(key)
+            if canon is None:
+                _check_layout(self.tensors, self.bucket_sizes)
+                if len(_LAYOUTS) >= _CACHE_LAYOUTS:
+                    _LAYOUTS.clear()
+                    _LAYOUT_IDS.clear()
+                    _TOTALS.clear()
+                canon = _LAYOUTS[key] = key
+                _LAYOUT_IDS[id(key[0])] = key
+        if self.tensors is not canon[0]:
+            msgspec.structs.force_setattr(self, "tensors", canon[0])
+        if self.bucket_sizes is not canon[1]:
+            msgspec.structs.force_setattr(self, "bucket_sizes", canon[1])
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        known = _TOTALS.get(id(self.tensors))
+        if known is not None and known[0] is self.tensors:
+            return known[1]
+        total = sum(t.nbytes for t in self.tensors)
+        if _LAYOUT_IDS.get(id(self.tensors), (None,))[0] is self.tensors:
+            _TOTALS[id(self.tensors)] = (self.tensors, total)
+        return total
 
     def bucket_tensors(self, bucket: int) -> list[TensorMeta]:
         return [t for t in self.tensors if t.bucket == bucket]
+
+
+def _check_layout(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...]) -> None:
+    for i, size in enumerate(bucket_sizes):
+        if size < 0 or size % ALIGN:
+            raise ManifestError(f"bucket {i}: size {size} must be >= 0 and a multiple of {ALIGN}")
+    seen: set[str] = set()
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        if t.name in seen:
+            raise ManifestError(f"tensor {t.name!r} appears twice; names must be unique in one update")
+        seen.add(t.name)
+        if t.bucket >= len(bucket_sizes):
+            raise ManifestError(
+                f"tensor {t.name!r} is in bucket {t.bucket} but the update has "
+                f"{len(bucket_sizes)} buckets"
+            )
+        if t.offset + t.nbytes > bucket_sizes[t.bucket]:
+            raise ManifestError(
+                f"tensor {t.name!r} spans bytes [{t.offset}, {t.offset + t.nbytes}) beyond "
+                f"bucket {t.bucket}'s {bucket_sizes[t.bucket]} bytes"
+            )
+        spans.setdefault(t.bucket, []).append((t.offset, t.offset + t.nbytes, t.name))
+    for bucket, ranges in spans.items():
+        ranges.sort()
+        for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ManifestError(f"tensors {name!r} and {other!r} overlap in bucket {bucket}")
 
 
 _encoder = msgspec.msgpack.Encoder()

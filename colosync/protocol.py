@@ -83,18 +83,85 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
         return error_from_wire(self.error, self.message)
 
 
+class _RepeatedBegin:
+    """Encode and decode a ``Begin`` that repeats the previous layout without re-walking it.
+
+    A sender announces the same manifest every update with only ``update_id`` changed. Its
+    msgpack bytes are then ``prefix + update_id + rest`` with ``prefix`` and ``rest`` equal to
+    last time, so encoding is one concatenation and decoding one comparison of the bytes
+    plus the new id; the manifest is rebuilt from the previous one (``__post_init__`` still
+    validates the id). Anything that differs by a single byte takes the normal path.
+    """
+
+    _KEY = b"\xa9update_id"  # msgpack of the str "update_id"
+
+    def __init__(self) -> None:
+        self.prefix = self.rest = b""
+        self.manifest: UpdateManifest | None = None
+
+    def remember(self, data: bytes, message: "Begin") -> None:
+        at = data.find(self._KEY, 0, 64)
+        if at < 0:
+            return
+        start = at + len(self._KEY)
+        number = msgspec.msgpack.encode(message.manifest.update_id)
+        if data[start : start + len(number)] != number:
+            return
+        self.prefix, self.rest, self.manifest = data[:start], data[start + len(number) :], message.manifest
+
+    def decode(self, data: bytes) -> "Begin | None":
+        size = len(data) - len(self.prefix) - len(self.rest)
+        if self.manifest is None or not 0 < size <= 9 or not data.startswith(self.prefix) or not data.endswith(self.rest):
+            return None
+        try:
+            uid = msgspec.msgpack.decode(data[len(self.prefix) : len(self.prefix) + size], type=int)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        return Begin(msgspec.structs.replace(self.manifest, update_id=uid))
+
+    def encode(self, message: "Begin") -> bytes | None:
+        cached, manifest = self.manifest, message.manifest
+        if (
+            cached is None
+            or manifest.tensors is not cached.tensors
+            or manifest.bucket_sizes is not cached.bucket_sizes
+            or manifest.kind != cached.kind
+            or manifest.lora != cached.lora
+        ):
+            return None
+        return b"".join((self.prefix, msgspec.msgpack.encode(manifest.update_id), self.rest))
+
+
 class Codec:
     """msgpack encoder/decoder for one union of message types."""
 
     def __init__(self, message_type: object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._sent = _RepeatedBegin()
+        self._received = _RepeatedBegin()
 
     def encode(self, message: msgspec.Struct) -> bytes:
+        if type(message) is Begin:
+            data = self._sent.encode(message)
+            if data is None:
+                data = self._encoder.encode(message)
+                self._sent.remember(data, message)
+            return data
         return self._encoder.encode(message)
 
     def decode(self, data: bytes):  # noqa: ANN201 - returns a member of the union
+        if len(data) > 256:  # only a manifest is that long
+            try:
+                repeated = self._received.decode(data)
+            except ManifestError:
+                repeated = None
+            if repeated is not None:
+                return repeated
         try:
-            return self._decoder.decode(data)
+            message = self._decoder.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ManifestError(f"malformed control message: {exc}") from None
+        if type(message) is Begin:
+            self._received.remember(bytes(data), message)
+        return message

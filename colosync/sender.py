@@ -1,33 +1,41 @@
 """Trainer-side driver: named tensors -> buckets -> transport slots -> one transaction.
 
 The Sender owns one transport per engine link, created on first use and reused for every
-update. It plans buckets from shapes alone, packs each bucket with one fused copy (straight
-into the transport slot when the slot lives on the tensors' device), keeps up to one
-``Stage`` in flight per slot so packing overlaps the engine's copy-out, and finishes with
-prepare and commit. Any failure aborts the update on the engine and re-raises; the engine
-keeps serving its last committed version.
+update. It plans buckets from shapes alone (once per layout), packs each bucket with one
+fused copy (straight into the transport slot when the slot lives on the tensors' device; a
+bucket that is one tensor is sent from the tensor's own bytes), keeps a ``Stage`` in flight
+per slot so packing overlaps the engine's copy-out, and finishes with prepare and commit.
+Control messages are pipelined: the engine's replies are read only when a slot must be
+reused and at the end, and fingerprints are computed on the device and read back without a
+separate sync. Any failure aborts the update on the engine and re-raises; the engine keeps
+serving its last committed version.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
 
-from . import transports
-from .bucket import fingerprint, pack_into, plan_buckets
-from .errors import ColosyncError, ManifestError
+from . import fused, transports
+from .bucket import plan_buckets, typed_views
+from .errors import ColosyncError, ManifestError, TransportError, TransportUnavailable
 from .link import Link, Pending
-from .manifest import LoraSpec, TensorMeta, UpdateManifest
+from .manifest import LoraSpec, TensorMeta, UpdateManifest, align_up
 from .protocol import Abort, Attach, Begin, Commit, Prepare, Stage, Status
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 class SyncReport(msgspec.Struct, frozen=True):
@@ -76,12 +84,69 @@ def peft_lora_tensors(peft_model: torch.nn.Module, adapter: str = "default") -> 
     return list(state.items())
 
 
+class _Plan:
+    """Buckets for one layout of named tensors, planned once and reused every update."""
+
+    def __init__(self, specs: list[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> None:
+        self.specs = specs
+        metas, sizes = plan_buckets(specs, bucket_bytes)
+        self.metas: tuple[TensorMeta, ...] = tuple(metas)
+        self.sizes: tuple[int, ...] = tuple(sizes)
+        starts = [0] * (len(sizes) + 1)
+        for i, meta in enumerate(metas):  # plan_buckets fills buckets in order
+            starts[meta.bucket + 1] = i + 1
+        self.bounds = [(starts[b], starts[b + 1]) for b in range(len(sizes))]
+        self.single = [
+            i1 - i0 == 1 and metas[i0].nbytes == size and size > 0 for (i0, i1), size in zip(self.bounds, sizes)
+        ]
+        self.total = sum(m.nbytes for m in metas)
+        self.gaps: list[list[tuple[int, int]]] = []  # padding inside each bucket, zeroed after packing
+        for (i0, i1), size in zip(self.bounds, sizes):
+            gaps, pos = [], 0
+            for m in metas[i0:i1]:
+                if m.offset > pos:
+                    gaps.append((pos, m.offset))
+                pos = max(pos, m.offset + m.nbytes)
+            if pos < size:
+                gaps.append((pos, size))
+            self.gaps.append(gaps)
+        self.views: dict[tuple, list[torch.Tensor]] = {}  # typed views of pack destinations
+        self.arena: list[torch.Tensor] | None = None  # the tensors, if they live in the transport buffer
+        self._gap_index: dict[tuple, torch.Tensor] = {}
+
+    def gap_index(self, bucket: int, device: torch.device) -> torch.Tensor | None:
+        gaps = self.gaps[bucket]
+        if not gaps:
+            return None
+        index = self._gap_index.get((bucket, device))
+        if index is None:
+            index = torch.cat([torch.arange(a, b) for a, b in gaps]).to(device)
+            self._gap_index[(bucket, device)] = index
+        return index
+
+    def manifest(self, update_id: int, lora: LoraSpec | None) -> UpdateManifest:
+        manifest = UpdateManifest(update_id, "lora" if lora else "full", self.metas, self.sizes, lora)
+        self.metas, self.sizes = manifest.tensors, manifest.bucket_sizes  # interned: cheap next time
+        return manifest
+
+
+class _Chunk:
+    __slots__ = ("stage", "fence", "fp")
+
+    def __init__(self, stage: Stage, fence: Any, fp: Any) -> None:
+        self.stage, self.fence, self.fp = stage, fence, fp
+
+
 class Sender:
     """Pushes updates to one engine through one transport.
 
     >>> sender = Sender(link, transport="shm")
     >>> report = sender.push_peft(peft_model)           # LoRA
     >>> report = sender.push(model.named_parameters())  # full weights
+
+    ``transport="auto"`` (the default) attaches the first transport in preference order
+    (``colosync.transports.names()``) that works end to end -- the engine really opening its
+    handle is the test -- and logs why it passed over the others (``transport_log``).
     """
 
     def __init__(
@@ -99,11 +164,20 @@ class Sender:
         self.bucket_bytes = bucket_bytes
         self.slots = slots
         self.device = torch.device(device) if device is not None else None
+        self.transport_log: list[str] = []  # why each transport was picked or passed over
         self._transport: transports.SenderTransport | None = None
         self._next_id: int | None = None
         self._staging: torch.Tensor | None = None
+        self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._last_plan: _Plan | None = None
+        self._fp_ring: torch.Tensor | None = None
+        self._arena: tuple[_Plan, list[torch.Tensor]] | None = None
 
     # -- public -----------------------------------------------------------------------------
+    @property
+    def transport(self) -> transports.SenderTransport | None:
+        return self._transport
+
     def push_peft(self, peft_model: torch.nn.Module, adapter: str = "default") -> SyncReport:
         return self.push(peft_lora_tensors(peft_model, adapter), lora=peft_lora_spec(peft_model, adapter))
 
@@ -114,8 +188,11 @@ class Sender:
         update_id: int | None = None,
     ) -> SyncReport:
         """Send ``named`` as one transaction: a LoRA update if ``lora`` is given, else full weights."""
-        items = [(n, t) for n, t in named]
-        return self.push_stream([(n, tuple(t.shape), t.dtype) for n, t in items], iter(items), lora, update_id)
+        start = time.perf_counter()
+        items = named if isinstance(named, list) else list(named)
+        tensors = [t for _, t in items]
+        specs = list(zip([n for n, _ in items], map(_SHAPE, tensors), map(_DTYPE, tensors)))
+        return self._push(specs, tensors, None, lora, update_id, start)
 
     def push_stream(
         self,
@@ -130,36 +207,46 @@ class Sender:
         them in the same order.
         """
         start = time.perf_counter()
-        timer = _Timer()
-        metas, sizes = plan_buckets(specs, self.bucket_bytes)
-        first_device = self._source_device(tensors_peek := _Peek(tensors))
-        transport = self._ensure_transport(first_device)
-        uid = self._claim_update_id(update_id)
-        manifest = UpdateManifest(
-            update_id=uid, kind="lora" if lora else "full", tensors=tuple(metas), bucket_sizes=tuple(sizes), lora=lora
-        )
-        try:
-            self.link.submit(Begin(manifest)).wait()
-            self._stream_buckets(manifest, tensors_peek, transport, timer)
-            t = time.perf_counter()
-            self.link.submit(Prepare(uid)).wait()
-            t = timer.add("prepare", t)
-            self.link.submit(Commit(uid)).wait()
-            timer.add("commit", t)
-        except BaseException as exc:
-            self._abort(uid, exc)
-            raise
-        seconds = dict(timer.seconds, total=time.perf_counter() - start)
-        report = SyncReport(uid, manifest.kind, transport.name, len(metas), len(sizes), manifest.total_bytes, seconds)
-        log.info("pushed update %d: %d tensors, %d bytes in %.1f ms via %s", uid, report.tensors, report.bytes,
-                 seconds["total"] * 1e3, transport.name)
-        return report
+        normalized = [(n, tuple(shape), dtype) for n, shape, dtype in specs]
+        return self._push(normalized, None, _Peek(tensors), lora, update_id, start)
+
+    def arena(self, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
+        """Tensors for ``specs`` that live inside the transport's shared buffer (``cuda_ipc``).
+
+        Keep the trainer's weights in them (allocate the adapter there, or copy into them once)
+        and ``push`` them: a sync then packs nothing, the engine copies straight out of them.
+        Do not write them while a push is running. The buffer holds exactly one update, so its
+        memory is that update's size; ``push`` of other tensors still works through it.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        specs = [(n, tuple(shape), dtype) for n, shape, dtype in specs]
+        total = sum(align_up(math.prod(shape) * dtype.itemsize) for _, shape, dtype in specs)
+        self.close()
+        self.bucket_bytes = max(align_up(total), 8192)
+        self.slots = 1
+        transport = self._ensure_transport(device, None)
+        if transport.slot(0).device != device:
+            raise TransportUnavailable(
+                f"the {transport.name} transport keeps its buffer in {transport.slot(0).device} memory, so it "
+                f"cannot host an arena for tensors on {device}; use transport='cuda_ipc'"
+            )
+        plan = self._plan([(n, torch.Size(shape), dtype) for n, shape, dtype in specs])
+        views = typed_views(transport.slot(0)[: plan.sizes[0]], plan.metas) if plan.sizes else []
+        plan.arena = views
+        self._arena = (plan, views)
+        return list(views)
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
         self._staging = None
+        self._arena = None
+        for plan in self._plans.values():
+            plan.views.clear()
+            plan.arena = None
 
     def __enter__(self) -> "Sender":
         return self
@@ -168,26 +255,125 @@ class Sender:
         self.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _source_device(self, peek: "_Peek") -> torch.device:
+    def _push(
+        self,
+        specs: list,
+        tensors: list[torch.Tensor] | None,
+        stream: "_Peek | None",
+        lora: LoraSpec | None,
+        update_id: int | None,
+        start: float,
+    ) -> SyncReport:
+        timer = _Timer()
+        plan = self._plan(specs)
         if self.device is not None:
-            return self.device
-        first = peek.peek()
-        return first[1].device if first is not None else torch.device("cpu")
+            device = self.device
+        elif tensors:
+            device = tensors[0].device
+        else:
+            first = stream.peek() if stream is not None else None
+            device = first[1].device if first is not None else self._default_device()
+        transport = self._ensure_transport(device, plan)
+        uid = self._claim_update_id(update_id)
+        manifest = plan.manifest(uid, lora)
+        replies: list[Pending] = []
+        try:
+            # Pipelined: the engine's replies are read only when a slot must be reused and at
+            # the end; the first failure is raised (replies come back in order).
+            replies.append(self.link.submit(Begin(manifest)))
+            if tensors is not None:
+                sources = lambda b: tensors[plan.bounds[b][0] : plan.bounds[b][1]]  # noqa: E731
+            else:
+                sources = lambda b: [stream.take(m) for m in plan.metas[plan.bounds[b][0] : plan.bounds[b][1]]]  # noqa: E731
+            self._stream_buckets(plan, uid, sources, transport, timer, replies)
+            if stream is not None:
+                stream.finish()
+            t = time.perf_counter()
+            replies.append(self.link.submit(Prepare(uid)))
+            replies.append(self.link.submit(Commit(uid)))
+            for pending in replies[:-1]:
+                pending.wait()
+            t = timer.add("prepare", t)
+            replies[-1].wait()
+            timer.add("commit", t)
+        except BaseException as exc:
+            self._abort(uid, exc)
+            raise
+        seconds = dict(timer.seconds, total=time.perf_counter() - start)
+        report = SyncReport(uid, manifest.kind, transport.name, len(plan.metas), len(plan.sizes), plan.total, seconds)
+        log.info("pushed update %d: %d tensors, %d bytes in %.2f ms via %s", uid, report.tensors, report.bytes,
+                 seconds["total"] * 1e3, transport.name)
+        return report
 
-    def _ensure_transport(self, device: torch.device) -> transports.SenderTransport:
-        if self._transport is None:
-            cls = transports.resolve(self.transport_name, device)
-            transport = cls.create(self.bucket_bytes, self.slots, device)
+    def _default_device(self) -> torch.device:
+        """Where an update with no tensors "lives": anywhere the requested transport can run."""
+        if self.transport_name != "auto" and torch.cuda.is_available():
+            cpu_ok, _ = transports.sender_class(self.transport_name).available(torch.device("cpu"))
+            if not cpu_ok:
+                return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _plan(self, specs: list) -> _Plan:
+        last = self._last_plan
+        if last is not None and last.specs == specs:
+            return last
+        key = tuple(specs)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(specs, self.bucket_bytes)
+            while len(self._plans) > 8:
+                self._plans.popitem(last=False)
+        self._last_plan = plan
+        return plan
+
+    def _ensure_transport(self, device: torch.device, plan: "_Plan | None") -> transports.SenderTransport:
+        if self._transport is not None:
+            return self._transport
+        bucket_bytes, slots = self.bucket_bytes, self.slots
+        if plan is not None and plan.sizes:  # no bigger than the first update needs
+            bucket_bytes = min(bucket_bytes, align_up(max(plan.sizes), 1 << 16))
+            slots = max(1, min(slots, len(plan.sizes)))
+        explicit = self.transport_name != "auto"
+        passed: list[str] = []
+        for name, cls, why in transports.candidates(self.transport_name, device):
+            if cls is None:
+                if explicit:
+                    raise TransportUnavailable(f"transport {name!r} cannot run here: {why}")
+                passed.append(f"{name!r}: {why}")
+                log.info("transport auto: passed over %r: %s", name, why)
+                continue
+            try:
+                slot_bytes, nslots = cls.geometry(bucket_bytes, slots, device)
+                transport = cls.create(slot_bytes, nslots, device)
+            except Exception as exc:
+                if explicit:
+                    raise
+                passed.append(f"{name!r}: {exc}")
+                log.warning("transport auto: passed over %r: it could not be created: %s", name, exc)
+                continue
             try:
                 ack = self.link.submit(Attach(transport=cls.name, handle=transport.handle())).wait()
+            except TransportError as exc:
+                transport.close()
+                if explicit:
+                    raise
+                passed.append(f"{name!r}: {exc}")
+                log.warning("transport auto: passed over %r: the engine could not open it: %s", name, exc)
+                continue
             except BaseException:
                 transport.close()
                 raise
             transport.attached()
+            if not explicit:
+                log.info("transport auto: picked %r (%s)", name, why)
+            self.transport_log = [f"picked {name!r}: {why}"] + [f"passed over {p}" for p in passed]
             self._transport = transport
+            for known in self._plans.values():
+                known.views.clear()
             if self._next_id is None:
                 self._next_id = ack.committed_update_id + 1
-        return self._transport
+            return transport
+        raise TransportUnavailable("no transport works here: " + "; ".join(passed))
 
     def _claim_update_id(self, requested: int | None) -> int:
         if self._next_id is None:
@@ -203,66 +389,122 @@ class Sender:
             log.debug("abort of update %d not acknowledged: %s", uid, abort_exc)
 
     def _stream_buckets(
-        self, manifest: UpdateManifest, tensors: "_Peek", transport: transports.SenderTransport, timer: _Timer
+        self,
+        plan: _Plan,
+        uid: int,
+        sources,  # noqa: ANN001 - bucket index -> its source tensors
+        transport: transports.SenderTransport,
+        timer: _Timer,
+        replies: list[Pending],
     ) -> None:
-        in_flight: list[Pending | None] = [None] * transport.num_slots
-        chunk = 0
-        by_bucket: list[list[TensorMeta]] = [[] for _ in manifest.bucket_sizes]
-        for meta in manifest.tensors:
-            by_bucket[meta.bucket].append(meta)
-        slot_bytes = transport.slot_bytes
-        for bucket, size in enumerate(manifest.bucket_sizes):
+        n, slot_bytes = transport.num_slots, transport.slot_bytes
+        slot_device = transport.slot(0).device
+        last_use = [-1] * n  # the chunk that last wrote each slot in this update
+        outbox: deque[_Chunk] = deque()
+        state = {"waited": -1}  # index into replies of the last reply read
+
+        def submit_through(chunk: int) -> None:
+            # Stage k is replies[k + 1]; a Stage goes out only once its bytes are in the slot.
+            while outbox and len(replies) - 1 <= chunk:
+                t = time.perf_counter()
+                c = outbox.popleft()
+                if c.fence is not None:
+                    c.fence.synchronize()
+                transport.flush()
+                stage = c.stage
+                if c.fp is not None:
+                    stage = msgspec.structs.replace(stage, fingerprint=int(c.fp.item() if isinstance(c.fp, torch.Tensor) else c.fp))
+                timer.add("transfer", t)
+                replies.append(self.link.submit(stage))
+
+        def free(slot: int) -> None:
+            used = last_use[slot]
+            if used < 0:
+                return
+            need = used + 1 if n >= 2 else used  # see transports.base: acknowledgements lag by one
+            submit_through(need)
             t = time.perf_counter()
-            metas = by_bucket[bucket]
-            sources = [tensors.take(meta) for meta in metas]
-            device = sources[0].device if sources else transport.slot(0).device
-            direct = size <= slot_bytes and device == transport.slot(0).device
-            if direct:  # pack straight into the slot: no staging copy at all
-                slot = chunk % transport.num_slots
-                t = self._wait_slot(in_flight, slot, timer, t)
+            for k in range(state["waited"] + 1, need + 2):
+                replies[k].wait()
+            state["waited"] = max(state["waited"], need + 1)
+            timer.add("stage", t)
+
+        chunk = 0
+        for bucket, size in enumerate(plan.sizes):
+            t = time.perf_counter()
+            srcs = sources(bucket)
+            device = srcs[0].device if srcs else slot_device
+            if plan.single[bucket] and srcs[0].is_contiguous():
+                packed = srcs[0].reshape(-1).view(torch.uint8)  # the tensor's own bytes: nothing to pack
+                direct = False
+            elif size <= slot_bytes and device == slot_device:
+                slot = chunk % n
+                free(slot)
                 packed = transport.slot(slot)[:size]
+                self._pack(plan, ("slot", slot), bucket, packed, srcs)
+                direct = True
             else:
                 packed = self._staging_buffer(size, device)
-            pack_into(packed, metas, sources)
-            fp = fingerprint(packed)
-            t = timer.add("pack", t)
+                self._pack(plan, ("staging",), bucket, packed, srcs)
+                direct = False
+            # One pass for the fingerprint -- fused with the copy into the slot where there is one copy.
+            fuse = not direct and 0 < size <= slot_bytes and packed.is_cuda and packed.device == slot_device
+            checked = fused.copy_check(packed, None, None) if size and not fuse else None
+            timer.add("pack", t)
             for offset in range(0, max(size, 1), slot_bytes):
                 nbytes = min(slot_bytes, size - offset)
-                slot = chunk % transport.num_slots
+                slot = chunk % n
                 if not direct:
-                    t = self._wait_slot(in_flight, slot, timer, t)
-                    dst = transport.slot(slot)[:nbytes]
-                    dst.copy_(packed[offset : offset + nbytes], non_blocking=True)
-                    if dst.is_cuda or packed.is_cuda:
-                        torch.cuda.current_stream(dst.device if dst.is_cuda else packed.device).synchronize()
-                transport.flush()
-                t = timer.add("transfer", t)
+                    free(slot)
+                    if fuse:
+                        checked = fused.copy_check(packed, transport.slot(slot)[:size], None)
+                    elif nbytes:
+                        transport.slot(slot)[:nbytes].copy_(packed[offset : offset + nbytes], non_blocking=True)
                 last = offset + slot_bytes >= size
-                in_flight[slot] = self.link.submit(
-                    Stage(manifest.update_id, bucket, offset, nbytes, slot, fp if last else None)
-                )
+                fp: Any = None
+                if last:
+                    fp = checked[0] if checked is not None else 0
+                    if isinstance(fp, torch.Tensor) and fp.is_cuda:
+                        fp = self._fp_slot(bucket).copy_(fp, non_blocking=True)
+                fence = None
+                if packed.is_cuda or slot_device.type == "cuda":
+                    fence = torch.cuda.Event()
+                    fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
+                outbox.append(_Chunk(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp))
+                last_use[slot] = chunk
                 chunk += 1
-        t = time.perf_counter()
-        for pending in in_flight:
-            if pending is not None:
-                pending.wait()
-        timer.add("stage", t)
-        tensors.finish()
+                if len(outbox) > 1:
+                    submit_through(len(replies) - 1)  # the oldest chunk still held back
+        submit_through(chunk)
 
-    @staticmethod
-    def _wait_slot(in_flight: list[Pending | None], slot: int, timer: _Timer, t: float) -> float:
-        pending = in_flight[slot]
-        if pending is None:
-            return t
-        t = timer.add("pack", t)  # time so far belongs to packing; waiting is staging
-        in_flight[slot] = None
-        pending.wait()
-        return timer.add("stage", t)
+    def _pack(self, plan: _Plan, where: tuple, bucket: int, packed: torch.Tensor, srcs: list[torch.Tensor]) -> None:
+        i0, i1 = plan.bounds[bucket]
+        if plan.arena is not None and where == ("slot", 0):
+            arena = plan.arena[i0:i1]
+            if all(map(operator.is_, srcs, arena)) or all(a.data_ptr() == s.data_ptr() for a, s in zip(arena, srcs)):
+                return  # the tensors already live here: nothing to copy
+        key = (where, bucket)
+        views = plan.views.get(key)
+        if views is None:
+            views = plan.views[key] = typed_views(packed, plan.metas[i0:i1])
+        with torch.no_grad():
+            torch._foreach_copy_(views, srcs, non_blocking=True)
+        gaps = plan.gap_index(bucket, packed.device)
+        if gaps is not None:  # padding is whatever the slot held: make it zero
+            packed.index_fill_(0, gaps, 0)
+
+    def _fp_slot(self, bucket: int) -> torch.Tensor:
+        if self._fp_ring is None:
+            self._fp_ring = torch.empty(64, dtype=torch.int64, pin_memory=True)
+        return self._fp_ring[bucket % 64]
 
     def _staging_buffer(self, size: int, device: torch.device) -> torch.Tensor:
         buf = self._staging
         if buf is None or buf.numel() < size or buf.device != device:
             buf = self._staging = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=device)
+            for plan in self._plans.values():
+                for key in [k for k in plan.views if k[0] == ("staging",)]:
+                    del plan.views[key]
         return buf[:size]
 
 

@@ -10,7 +10,7 @@ tensor, the expectation and the fix.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,36 @@ class EngineTarget(Protocol):
 
     def discard(self, prepared: Any) -> None:
         """Free a prepared update that will not be committed."""
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Engine-owned tensors to receive an update into (see ``StagingTarget``).
+
+    ``tensors``: one per ``manifest.tensors`` entry, in that order, same shape and dtype,
+    contiguous, on the Receiver's device, none of them served. ``buckets`` (optional): for
+    each bucket, one ``uint8`` tensor of ``bucket_sizes[b]`` bytes in which bytes
+    ``[offset, offset + nbytes)`` of each tensor *are* that tensor's storage and the padding between them
+    belongs to nothing else -- then each bucket lands with one flat copy and no
+    per-tensor work at all.
+    """
+
+    tensors: Sequence[torch.Tensor]
+    buckets: Sequence[torch.Tensor] | None = None
+
+
+class StagingTarget(EngineTarget, Protocol):
+    """An engine that lends its own tensors to receive an update into (optional).
+
+    ``staging`` returns a ``Staging`` (or just the sequence of tensors), or ``None`` to let
+    the Receiver allocate. The Receiver copies each bucket straight from the transport into
+    them (with fused copies, or one flat copy per bucket when ``buckets`` is given) and
+    passes the same tensors to ``prepare`` -- no per-update allocation and no per-tensor view
+    on the receive path. An engine that double-buffers its weights (serve one set, stage
+    into the other, swap on ``commit``) gets an update in with nothing but those copies.
+    """
+
+    def staging(self, manifest: UpdateManifest) -> "Staging | Sequence[torch.Tensor] | None": ...
 
 
 _LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")

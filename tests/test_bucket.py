@@ -79,3 +79,47 @@ def test_fingerprint_detects_flips_and_moves():
     assert fingerprint(moved.flatten()) != base
     assert fingerprint(buf.clone()) == base
     assert fingerprint(torch.empty(0, dtype=torch.uint8)) == 0
+
+
+def test_fingerprint_adds_up_over_chunks():
+    from colosync.bucket import fingerprint_tensor
+
+    buf = torch.randint(0, 256, (3 * 8192 + 704,), dtype=torch.uint8)
+    whole = fingerprint(buf)
+    for chunk in (64, 512, 8192, 3 * 4096, 20000 // 64 * 64):
+        parts = sum(int(fingerprint_tensor(buf[o : o + chunk], o)) for o in range(0, buf.numel(), chunk))
+        assert (parts + 2**63) % 2**64 - 2**63 == whole
+
+
+def test_float_runs_and_segments_stop_at_other_dtypes():
+    from colosync.bucket import float_runs
+    from colosync.fused import segments
+
+    specs = [("a", (3, 5), torch.bfloat16), ("b", (7,), torch.bfloat16), ("i", (4,), torch.int32),
+             ("c", (9,), torch.bfloat16), ("d", (3,), torch.float32)]
+    metas, sizes = plan_buckets(specs, 1 << 20)
+    runs = float_runs(metas)
+    assert [r[2] for r in runs] == [torch.bfloat16, torch.bfloat16, torch.float32]  # "i" splits the bf16 run
+    segs = segments(metas, sizes[0])
+    assert segs[0][0] == 0 and segs[-1][1] == sizes[0]
+    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))  # contiguous cover
+    assert all(s[0] % 8 == 0 and s[1] % 8 == 0 for s in segs)
+    assert float_runs(plan_buckets([("f8", (4,), torch.float8_e4m3fn)], 1024)[0]) is None
+
+
+def test_copy_check_copies_fingerprints_and_flags_nonfinite():
+    from colosync.fused import copy_check, segments
+
+    named = [("w", torch.randn(40, 3)), ("n", torch.arange(5, dtype=torch.int64)), ("h", torch.randn(9).half())]
+    metas, sizes = plan_buckets(specs_of(named), 1 << 20)
+    buf = torch.zeros(sizes[0], dtype=torch.uint8)
+    pack_into(buf, metas, [t for _, t in named])
+    segs = segments(metas, sizes[0])
+    dst = torch.empty_like(buf)
+    fp, bad = copy_check(buf, dst, segs).tolist()
+    assert torch.equal(dst, buf) and fp == fingerprint(buf) and bad == 0
+    tensor_views(buf, metas)["h"][4] = float("inf")
+    assert copy_check(buf, None, segs).tolist()[1] == 1
+    tensor_views(buf, metas)["h"][4] = 0
+    buf[metas[1].offset : metas[1].offset + 8] = 255  # an int tensor full of ones is no NaN
+    assert copy_check(buf, None, segs).tolist()[1] == 0

@@ -109,3 +109,26 @@ def test_any_wrong_field_value_is_rejected_or_consistent(field, index, value):
     assert len({t.name for t in m.tensors}) == len(m.tensors)
     for t in m.tensors:
         assert t.offset + t.nbytes <= m.bucket_sizes[t.bucket] and t.offset % 64 == 0
+
+
+def test_a_repeated_begin_decodes_like_the_first():
+    from typing import Union
+
+    from colosync.protocol import Begin, Codec, TransactionRequest
+
+    sender, receiver = Codec(Union[TransactionRequest.__args__]), Codec(Union[TransactionRequest.__args__])
+    first = good_manifest()
+    assert receiver.decode(sender.encode(Begin(first))).manifest == first
+    for uid in (8, 300, 2**40):
+        again = msgspec.structs.replace(first, update_id=uid)
+        data = sender.encode(Begin(again))
+        assert data == msgspec.msgpack.encode(Begin(again))  # the fast encoding is the plain one
+        decoded = receiver.decode(data).manifest
+        assert decoded == again and decoded.tensors is first.tensors  # one interned layout
+    changed = as_dict(first)
+    changed["tensors"][0]["name"] = changed["tensors"][0]["name"].replace("q_proj", "k_proj")
+    assert receiver.decode(msgspec.msgpack.encode({"type": "begin", "manifest": changed})).manifest.tensors[0].name.endswith(
+        "k_proj.lora_A.weight")
+    zero = msgspec.msgpack.encode(Begin(first)).replace(b"\xa9update_id\x07", b"\xa9update_id\x00")
+    with pytest.raises(ManifestError, match="positive integer"):
+        receiver.decode(zero)

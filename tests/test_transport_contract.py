@@ -1,7 +1,9 @@
 """The contract every registered transport must pass, between two real processes.
 
-The receiving side is a ``store`` engine in its own process, so bytes really cross the
-transport; each case compares what the engine committed with what was sent, byte for byte.
+The receiving side is an engine in its own process, so bytes really cross the transport;
+each case compares what the engine committed with what was sent, byte for byte. Two engines
+cover the Receiver's two paths: ``store`` (the Receiver allocates buffers and hands out views)
+and ``sink`` (the engine lends its own tensors and each bucket is copied straight into them).
 On a CUDA machine the same cases run with tensors and engine on the GPU (``gpu`` marker).
 """
 
@@ -17,20 +19,25 @@ import torch
 
 from colosync import transports
 from colosync.engines.process import EngineAddress, EngineConfig, EngineProcess
+from colosync.engines.sink import Digest, tensor_digests
 from colosync.engines.store import Fetch
 from colosync.protocol import Status
 from colosync.sender import Sender
 
 from .test_bucket import DTYPES, sample
 
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
-_engines: dict[str, EngineProcess] = {}
+ENGINES = [
+    pytest.param(("cpu", "store"), id="cpu-store"),
+    pytest.param(("cpu", "sink"), id="cpu-sink"),
+    pytest.param(("cuda", "store"), id="cuda-store", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "sink"), id="cuda-sink", marks=pytest.mark.gpu),
+]
 
 
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request):
-    device = request.param
-    eng = EngineProcess(EngineConfig(engine="store", device=device, timeout_s=30.0))
+    device, kind = request.param
+    eng = EngineProcess(EngineConfig(engine=kind, device=device, timeout_s=30.0))
     yield eng, device
     eng.close()
 
@@ -45,6 +52,9 @@ def transport(request, engine):
 
 
 def fetch_all(eng: EngineProcess) -> dict[str, torch.Tensor]:
+    if eng.config.engine == "sink":
+        reply = eng.call(Digest())
+        return {name: fp for name, fp in zip(reply.names, reply.fingerprints)}
     reply = eng.call(Fetch())
     out = {}
     for t in reply.tensors:
@@ -58,6 +68,9 @@ def fetch_all(eng: EngineProcess) -> dict[str, torch.Tensor]:
 def assert_committed(eng: EngineProcess, named: list[tuple[str, torch.Tensor]]) -> None:
     got = fetch_all(eng)
     assert sorted(got) == sorted(n for n, _ in named)
+    if eng.config.engine == "sink":  # compare fingerprints of every tensor's bytes
+        assert [got[n] for n, _ in named] == tensor_digests([t.detach().cpu() for _, t in named])
+        return
     for name, t in named:
         expect = t.detach().cpu().contiguous()
         assert got[name].dtype == expect.dtype and got[name].shape == expect.shape, name
@@ -115,13 +128,13 @@ def test_twenty_sequential_updates(engine, transport):
             assert_committed(eng, named)
 
 
-def _killed_sender(address: bytes, transport: str, device: str, ready) -> None:
+def _killed_sender(address: bytes, kind: str, transport: str, device: str, ready) -> None:
     import msgspec
 
-    from colosync.engines.store import StoreEngine
+    from colosync.engines import engine_class
     from colosync.engines.process import connect
 
-    link = connect(msgspec.msgpack.decode(address, type=EngineAddress), StoreEngine)
+    link = connect(msgspec.msgpack.decode(address, type=EngineAddress), engine_class(kind))
     specs = [(f"x{i}", (1024,), torch.float32) for i in range(8)]
 
     def slow_source():
@@ -145,7 +158,7 @@ def test_sender_killed_mid_update_changes_nothing(engine, transport):
     committed = eng.call(Status()).committed_update_id
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    child = ctx.Process(target=_killed_sender, args=(msgspec.msgpack.encode(eng.address), transport, device, ready))
+    child = ctx.Process(target=_killed_sender, args=(msgspec.msgpack.encode(eng.address), eng.config.engine, transport, device, ready))
     child.start()
     try:
         assert ready.wait(120), "sender never reached the middle of its update"

@@ -13,6 +13,7 @@ from ..errors import EngineError
 _REGISTRY: dict[str, str] = {
     "hf": "colosync.engines.hf:HFEngine",
     "store": "colosync.engines.store:StoreEngine",
+    "sink": "colosync.engines.sink:SinkEngine",
 }
 
 

@@ -132,6 +132,7 @@ class TorchEngineMemory(EngineMemory):
         stats = self._kv.offload(self.kv_tensors(), backup=False)
         if stats.noop:
             return self._noop("offload_kv", "no KV cache allocated")
+        self._return_to_device()
         return self._from_stats("offload_kv", started, stats)
 
     def offload_weights(self, backup: bool) -> OpReport:
@@ -142,6 +143,7 @@ class TorchEngineMemory(EngineMemory):
         stats = self._weights.offload(self.weight_tensors(), backup=backup, on_peak=lambda: self._notify("peak"))
         if not backup:
             self.weights_valid = False
+        self._return_to_device()
         note = "" if backup else "released without a mirror: weights come back as zeros until the next weight sync"
         return self._from_stats("offload_weights", started, stats, note=note)
 
@@ -164,6 +166,11 @@ class TorchEngineMemory(EngineMemory):
         if self.after_kv_onload is not None:
             self.after_kv_onload()
         return self._from_stats("onload_kv", started, stats)
+
+    def _return_to_device(self) -> None:
+        """Give freed blocks back to the device: the next user may be another process (the trainer)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _from_stats(self, op: str, started: float, stats: StashStats, note: str = "") -> OpReport:
         return self._report(

@@ -116,7 +116,10 @@ class NoCoexistingHostCopies(Invariant):
         if m.held >= HOST_COPIES:
             return (f"the engine mirror ({_gb(mirror)}) and the trainer backup ({_gb(backup)}) are both on the host "
                     f"(participants account {_gb(m.logical_host)} of host copies)")
-        limit = int(max(mirror, backup) * (1 + self.tolerance)) + self.slack_bytes
+        # A pool reserved up front for the larger copy holds it from the start, before that
+        # copy's size is known (expected_host_copies_max starts at the reserved bytes).
+        larger = max(mirror, backup, ctx.expected_host_copies_max)
+        limit = int(larger * (1 + self.tolerance)) + self.slack_bytes
         if m.host_copies > limit:
             return (f"measured host copies {_gb(m.host_copies)} exceed the larger single copy "
                     f"max(mirror {_gb(mirror)}, backup {_gb(backup)}) by more than {self.tolerance:.0%} "

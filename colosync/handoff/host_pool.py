@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Literal
 
@@ -112,6 +113,7 @@ class HostPool:
         self.name = name
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
+        self._finalizers: dict[int, weakref.finalize] = {}
         self._leases: dict[int, HostLease] = {}
         self._lock = threading.Lock()
         self.alloc_seconds = 0.0
@@ -206,6 +208,9 @@ class HostPool:
             if self.pin == "register":
                 try:
                     _check_cuda(torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), n, 0), "cudaHostRegister")
+                    # If the chunk is collected without trim() (an exception mid-run), unregister it
+                    # before its memory is freed, or a later registration of the same pages fails.
+                    self._finalizers[id(chunk)] = weakref.finalize(chunk, _unregister, chunk.data_ptr())
                 except (StashError, AttributeError, RuntimeError) as exc:
                     if not self._auto:
                         raise
@@ -218,12 +223,17 @@ class HostPool:
         self.alloc_seconds += time.perf_counter() - started
 
     def _release_chunk(self, chunk: torch.Tensor) -> None:
-        if self.pin == "register":
-            _check_cuda(torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr()), "cudaHostUnregister")
+        finalizer = self._finalizers.pop(id(chunk), None)
+        if finalizer is not None:
+            finalizer()  # unregisters, once
 
     def __repr__(self) -> str:
         return (f"HostPool({self.name!r}, capacity={self.capacity_bytes / 1e9:.2f} GB, "
                 f"leased={self.leased_bytes / 1e9:.2f} GB, pin={self.pin})")
+
+
+def _unregister(ptr: int) -> None:
+    _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
 def _check_cuda(result: object, what: str) -> None:

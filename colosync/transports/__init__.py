@@ -1,8 +1,9 @@
 """Transport registry: name -> the module that implements it, imported only when used.
 
 Adding a transport is one new file (a ``SenderTransport`` and a ``ReceiverTransport``) plus
-one line in ``_REGISTRY``. ``resolve("auto", device)`` tries them in preference order and
-logs why it passed over each one it did not pick.
+one line in ``_REGISTRY``. ``candidates("auto", device)`` lists them in preference order with
+why each can or cannot run here; the Sender attaches the first that works end to end (the
+engine really opening its handle is the test) and logs why it passed over the others.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 # name -> "module:SenderClass:ReceiverClass"; listed fastest first (the order "auto" tries).
 _REGISTRY: dict[str, str] = {
+    "cuda_ipc": "colosync.transports.cuda_ipc:CudaIpcSender:CudaIpcReceiver",
     "shm": "colosync.transports.shm:ShmSender:ShmReceiver",
 }
 
@@ -46,6 +48,22 @@ def receiver_class(name: str) -> type[ReceiverTransport]:
     return _load(name, 1)
 
 
+def candidates(name: str, device: torch.device) -> list[tuple[str, type[SenderTransport] | None, str]]:
+    """``(name, class or None, why)`` for ``name``, or for every transport in order if ``"auto"``.
+
+    The class is ``None`` where the transport cannot run here; ``why`` says why (not).
+    """
+    out: list[tuple[str, type[SenderTransport] | None, str]] = []
+    for candidate in names() if name == "auto" else [name]:
+        cls = sender_class(candidate)
+        try:
+            ok, why = cls.available(device)
+        except Exception as exc:  # a probe must never take the sender down
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        out.append((candidate, cls if ok else None, why))
+    return out
+
+
 def resolve(name: str, device: torch.device) -> type[SenderTransport]:
     """The sender transport class for ``name``; ``"auto"`` picks the first that works."""
     if name != "auto":
@@ -67,4 +85,6 @@ def resolve(name: str, device: torch.device) -> type[SenderTransport]:
     raise TransportUnavailable("no transport works here: " + "; ".join(reasons))
 
 
-__all__ = ["SenderTransport", "ReceiverTransport", "names", "resolve", "sender_class", "receiver_class"]
+__all__ = [
+    "SenderTransport", "ReceiverTransport", "names", "candidates", "resolve", "sender_class", "receiver_class",
+]

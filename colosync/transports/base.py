@@ -5,6 +5,11 @@ A transport is deliberately dumb. The sender side owns ``slots`` byte buffers of
 sees the same slots. Which bytes sit in which slot, and when a slot may be reused, is the
 Sender's and Receiver's business (the ``Stage`` message and its acknowledgement), so every
 transport gets flow control, chunking of oversize buckets and fingerprints for free.
+
+Flow control: with two or more slots the receiver may acknowledge a ``Stage`` before its copy
+out of the slot has finished, so that copy overlaps the next one; the acknowledgement of
+``Stage`` k then promises that the slots of every earlier ``Stage`` are free, and any other
+reply promises that all are. With one slot every acknowledgement frees its own slot.
 """
 
 from __future__ import annotations
@@ -29,6 +34,15 @@ class SenderTransport(ABC):
     @abstractmethod
     def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "SenderTransport":
         """Allocate the slots once; they are reused for every update."""
+
+    @classmethod
+    def geometry(cls, bucket_bytes: int, slots: int, device: torch.device) -> tuple[int, int]:
+        """``(slot_bytes, slots)`` to create for buckets of ``bucket_bytes`` from ``device``.
+
+        By default one slot per bucket in flight. A transport that copies through host memory
+        may prefer more, smaller slots (the same bytes in all) so copies pipeline finely.
+        """
+        return bucket_bytes, slots
 
     @property
     @abstractmethod
@@ -69,6 +83,11 @@ class ReceiverTransport(ABC):
     @abstractmethod
     def slot(self, index: int) -> torch.Tensor:
         """Readable ``uint8`` view of slot ``index``."""
+
+    @property
+    def num_slots(self) -> int:
+        """How many slots the sender cycles through (2+ lets the receiver acknowledge early)."""
+        return 1
 
     @abstractmethod
     def close(self) -> None:

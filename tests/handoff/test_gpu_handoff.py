@@ -41,16 +41,19 @@ def run_mode(mode: str) -> tuple[object, dict[Region, int], list[float]]:
     pool.reserve(max(mirror, backup) if mode == "gpu" else mirror + backup)
     weights = [p.detach().float().sum().item() for p in list(model.parameters())[:3]]
     executor = HandoffExecutor(trainer, engine, baseline_host_bytes=baseline, watch_interval_s=0.002, pools=[pool])
-    result = executor.run(build_plan(peak_device=mode), cycles=2)
-    assert [p.detach().float().sum().item() for p in list(model.parameters())[:3]] == weights
-    sizes = {**engine.region_bytes(), **trainer.region_bytes()}
-    rates = [r.report.gbps for r in result.records
-             if r.step in ("trainer.sleep", "trainer.wake_up") and r.phase != "init"]
-    trainer.wake_up()  # gives its lease back, so trim() can unregister every chunk
-    del engine, trainer, model, kv, executor
-    gc.collect()
-    pool.trim()
-    torch.cuda.empty_cache()
+    try:
+        result = executor.run(build_plan(peak_device=mode), cycles=2)
+        assert [p.detach().float().sum().item() for p in list(model.parameters())[:3]] == weights
+        sizes = {**engine.region_bytes(), **trainer.region_bytes()}
+        rates = [r.report.gbps for r in result.records
+                 if r.step in ("trainer.sleep", "trainer.wake_up") and r.phase != "init"]
+    finally:  # leave the device and the pinned pages clean for the next test, pass or fail
+        trainer.wake_up()  # gives its lease back, so trim() can unregister every chunk
+        engine.onload_weights()
+        del engine, trainer, model, kv, executor
+        gc.collect()
+        pool.trim()
+        torch.cuda.empty_cache()
     return result, sizes, rates
 
 

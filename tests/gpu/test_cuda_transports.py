@@ -1,0 +1,172 @@
+"""On a CUDA host: cuda_ipc for real, pinned chunked shm, the arena, probe and bench end to end.
+
+Run with ``pytest -m gpu``; skipped without CUDA (see ``tests/conftest.py``). The transport
+contract suite (``tests/test_transport_contract.py``) runs its ``cuda`` cases on such a host too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from colosync.bucket import fingerprint, pack_into, plan_buckets
+from colosync.engines.process import EngineConfig, EngineProcess
+from colosync.engines.sink import Digest, SinkEngine, tensor_digests
+from colosync.errors import FingerprintMismatchError, NonFiniteError
+from colosync.link import LocalLink
+from colosync.manifest import UpdateManifest
+from colosync.protocol import Attach, Begin, Commit, Prepare, Stage
+from colosync.receiver import Receiver
+from colosync.sender import Sender
+from colosync.transports import cuda_ipc
+from colosync.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from colosync.transports.shm import CHUNK_BYTES
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def sink():
+    engine = EngineProcess(EngineConfig(engine="sink", device="cuda", timeout_s=60.0))
+    yield engine
+    engine.close()
+
+
+def named_tensors(seed: int, n: int = 40) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = [(f"layer{i}.w", torch.randn(64 + i, 96, device="cuda", generator=g).to(torch.bfloat16)) for i in range(n)]
+    out.append(("big", torch.randn(3 << 20, device="cuda", generator=g)))  # 12 MiB: a bucket of its own
+    return out
+
+
+def assert_served(engine: EngineProcess, named) -> None:
+    reply = engine.call(Digest())
+    assert dict(zip(reply.names, reply.fingerprints)) == dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
+
+
+def test_buffer_is_outside_the_caching_allocator_and_shared_in_process():
+    before = torch.cuda.memory_allocated()
+    sender = CudaIpcSender(1 << 20, 2, torch.device("cuda"))
+    assert torch.cuda.memory_allocated() == before  # cudaMalloc'd by us, not by PyTorch's pools
+    receiver = CudaIpcReceiver.open(sender.handle(), torch.device("cuda"))
+    sender.slot(1).fill_(3)
+    assert receiver.slot(1).data_ptr() == sender.slot(1).data_ptr() and int(receiver.slot(1)[0]) == 3
+    receiver.close()
+    sender.close()
+
+
+def test_auto_picks_cuda_ipc_and_moves_bytes(sink):
+    with Sender(sink.connect(), bucket_bytes=1 << 20) as sender:
+        for step in range(3):
+            named = named_tensors(step)
+            report = sender.push(named)
+            assert report.transport == "cuda_ipc" and report.buckets >= 2
+            assert_served(sink, named)
+        handle = sender.transport.handle()
+        sender.push(named_tensors(7))
+        assert sender.transport.handle() == handle  # one export for the whole run
+    assert sink.call(Digest()).receiver_bytes == 0  # no engine-side buffer for whole-slot buckets
+
+
+def test_real_ipc_open_failure_falls_back_to_shm(sink, monkeypatch, caplog):
+    real = CudaIpcSender.handle
+
+    def corrupted(self) -> bytes:
+        h = cuda_ipc.msgspec.msgpack.decode(real(self), type=cuda_ipc.CudaIpcHandle)
+        bad = bytes(b ^ 0x5A for b in h.handle)
+        return cuda_ipc.msgspec.msgpack.encode(cuda_ipc.msgspec.structs.replace(h, handle=bad))
+
+    monkeypatch.setattr(CudaIpcSender, "handle", corrupted)
+    caplog.set_level(logging.INFO, logger="colosync.sender")
+    with Sender(sink.connect(), bucket_bytes=1 << 20) as sender:
+        named = named_tensors(11)
+        assert sender.push(named).transport == "shm"
+    assert_served(sink, named)
+    reasons = [r.getMessage() for r in caplog.records if "passed over 'cuda_ipc'" in r.getMessage()]
+    assert reasons and "cudaIpcOpenMemHandle failed" in reasons[0]
+
+
+def test_shm_on_gpu_is_pinned_chunked_and_bounded(sink):
+    bucket = 64 << 20
+    with Sender(sink.connect(), transport="shm", bucket_bytes=bucket) as sender:
+        named = [("x", torch.randn(40 << 20, device="cuda")), ("y", torch.randn(1000, device="cuda"))]
+        sender.push(named)
+        t = sender.transport
+        assert t.pinned and t.slot_bytes == CHUNK_BYTES and t.num_slots >= 2
+        assert t.slot_bytes * t.num_slots <= 2 * bucket  # host shared memory: at most two buckets
+        assert_served(sink, named)
+    assert sink.call(Digest()).receiver_bytes <= bucket  # engine side: at most one bucket
+
+
+def test_arena_updates_need_no_packing(sink):
+    named = named_tensors(3)
+    with Sender(sink.connect(), transport="cuda_ipc") as sender:
+        arena = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], "cuda")
+        with torch.no_grad():
+            torch._foreach_copy_(arena, [t for _, t in named])
+        weights = [(n, a) for (n, _), a in zip(named, arena)]
+        sender.push(weights)
+        assert_served(sink, named)
+        with torch.no_grad():
+            arena[0].mul_(2)  # a training step, in place
+        sender.push(weights)
+        assert_served(sink, weights)
+
+
+def test_gpu_checks_run_on_device_and_reject_at_prepare():
+    engine = SinkEngine("cuda")
+    receiver = Receiver(engine, "cuda")
+    transport = CudaIpcSender(1 << 16, 2, torch.device("cuda"))
+    link = LocalLink(receiver)
+    link.submit(Attach("cuda_ipc", transport.handle())).wait()
+    named = [("a", torch.randn(100, device="cuda")), ("b", torch.randn(7, 3, device="cuda"))]
+    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    for uid, (corrupt, error) in enumerate([(False, FingerprintMismatchError), (True, NonFiniteError)], start=1):
+        m = UpdateManifest(uid, "full", tuple(metas), tuple(sizes))
+        slot = transport.slot(0)[: sizes[0]]
+        pack_into(slot, m.tensors, [t for _, t in named])
+        fp = fingerprint(slot)
+        if corrupt:
+            slot[:4].copy_(torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8))  # a float32 NaN, fingerprinted
+            fp = fingerprint(slot)
+        else:
+            fp += 1
+        link.submit(Begin(m)).wait()
+        link.submit(Stage(uid, 0, 0, sizes[0], 0, fp)).wait()  # accepted: checked on the device
+        with pytest.raises(error):
+            link.submit(Prepare(uid)).wait()
+        with pytest.raises(Exception, match="was aborted"):
+            link.submit(Commit(uid)).wait()
+    assert receiver.committed_update_id == 0 and engine.tensors == {}
+    receiver.close()
+    transport.close()
+
+
+def test_probe_tests_ipc_between_two_processes():
+    from colosync.probe import run_probe
+
+    report = run_probe("cuda")
+    ipc = next(c for c in report.checks if c.name == "CUDA IPC between two processes")
+    assert ipc.ok, ipc.detail
+    assert report.auto == "cuda_ipc"
+
+
+def test_bench_end_to_end(tmp_path):
+    import argparse
+
+    from colosync.bench import run_bench
+
+    workload = tmp_path / "tiny.json"
+    workload.write_text(json.dumps({"name": "tiny", "kind": "full", "tensors": [
+        {"name": f"t{i}", "shape": [256, 512], "dtype": "bfloat16"} for i in range(32)]}))
+    args = argparse.Namespace(workload=str(workload), transports=None, references="fresh_ipc,pickle", arena=True,
+                              repeats=2, warmup=1, bucket_mb=None, slots=None, device="cuda", no_floor=False,
+                              force_pickle=False, json=True, out=None, argv=["bench", "--workload", str(workload)])
+    result = run_bench(args)
+    paths = {r.path: r for r in result.results}
+    assert {"cuda_ipc", "shm", "cuda_ipc+arena", "ref:fresh_ipc", "ref:pickle", "floor:pinned d2h"} <= set(paths)
+    assert all(r.verified is not False for r in result.results)
+    assert result.floor_ms and paths["cuda_ipc"].speedup_vs["ref:pickle"] > 1
