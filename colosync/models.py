@@ -139,17 +139,24 @@ def generate(
     return tokens, logprobs
 
 
-@torch.no_grad()
-def score(
+def completion_logprobs(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
-) -> list[list[float]]:
-    """Logprob of each completion token given its prompt (one forward pass per sequence)."""
+) -> list[torch.Tensor]:
+    """Logprob of each completion token given its prompt, one forward pass per sequence
+    (differentiable: the policy-gradient loss uses it, ``score`` wraps it without grad)."""
     device = next(model.parameters()).device
-    result = []
+    out = []
     for prompt, completion in zip(prompts, completions):
         ids = torch.tensor([list(prompt) + list(completion)], device=device)
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
         start = len(prompt) - 1
-        picked = logp[start : start + len(completion)].gather(1, ids[0, len(prompt) :, None])
-        result.append(picked.flatten().tolist())
-    return result
+        out.append(logp[start : start + len(completion)].gather(1, ids[0, len(prompt) :, None]).flatten())
+    return out
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """Logprob of each completion token given its prompt, as plain floats."""
+    return [lp.tolist() for lp in completion_logprobs(model, prompts, completions)]

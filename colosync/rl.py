@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .models import completion_logprobs
+
 TARGET_VOCAB = 64
 
 
@@ -42,20 +44,6 @@ class Task:
         r = torch.tensor(rewards, dtype=torch.float64).view(len(self.prompts), self.group_size)
         adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)
         return adv.flatten().tolist()
-
-
-def completion_logprobs(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
-) -> list[torch.Tensor]:
-    """Differentiable logprob of each completion token (one forward per sequence)."""
-    device = next(model.parameters()).device
-    out = []
-    for prompt, completion in zip(prompts, completions):
-        ids = torch.tensor([list(prompt) + list(completion)], device=device)
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        start = len(prompt) - 1
-        out.append(logp[start : start + len(completion)].gather(1, ids[0, len(prompt) :, None]).flatten())
-    return out
 
 
 def policy_gradient_step(

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # megatron_helpers / megatron_workers, also in spawned ranks
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # torn down once tests/sources is done, not at session end
 def cpu_world():
     pytest.importorskip("megatron.core")
     from megatron_helpers import World
