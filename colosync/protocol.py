@@ -67,6 +67,10 @@ TransactionRequest = Attach | Begin | Stage | Prepare | Commit | Abort | Status
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     committed_update_id: int
     in_flight_update_id: int | None = None
+    highest_update_id: int = 0  # the largest id ever begun; a new update must exceed it
+
+    def next_update_id(self) -> int:
+        return max(self.committed_update_id, self.in_flight_update_id or 0, self.highest_update_id) + 1
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):

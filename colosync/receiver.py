@@ -112,6 +112,7 @@ class Receiver:
         self.device = torch.device(device)
         self.policy = policy or ReceiverPolicy()
         self.committed_update_id = 0
+        self._highest_update_id = 0
         self._spec = target.model_spec()
         self._transport: transports.ReceiverTransport | None = None
         self._inflight: _InFlight | None = None
@@ -149,7 +150,8 @@ class Receiver:
 
     def status(self) -> Ack:
         inflight = self._inflight.update_id if self._inflight else None
-        return Ack(committed_update_id=self.committed_update_id, in_flight_update_id=inflight)
+        return Ack(committed_update_id=self.committed_update_id, in_flight_update_id=inflight,
+                   highest_update_id=self._highest_update_id)
 
     # -- transaction steps ------------------------------------------------------------------
     def attach(self, transport: str, handle: bytes) -> None:
@@ -177,19 +179,25 @@ class Receiver:
                 f"update {uid} is not newer than the committed update {self.committed_update_id}; "
                 "use a fresh, increasing update_id (Sender does this for you)"
             )
-        if self._inflight is not None:
-            if uid <= self._inflight.update_id:
-                raise StaleUpdateError(
-                    f"update {uid} repeats or precedes the in-flight update {self._inflight.update_id}; "
-                    "abort it first or use a larger update_id"
-                )
-            log.warning("receiver: update %d supersedes unfinished update %d", uid, self._inflight.update_id)
-            self._end("superseded by update %d" % uid)
+        if self._inflight is not None and uid <= self._inflight.update_id:
+            raise StaleUpdateError(
+                f"update {uid} repeats or precedes the in-flight update {self._inflight.update_id}; "
+                "abort it first or use a larger update_id"
+            )
+        if uid <= self._highest_update_id:
+            raise StaleUpdateError(
+                f"update {uid} is not newer than update {self._highest_update_id}, which began and ended "
+                "without commit; ids are never reused: use a larger update_id (Sender does this for you)"
+            )
         layout = self._layout(manifest)
         checked = (manifest.kind, manifest.lora)
-        if checked not in layout.validated:
+        if checked not in layout.validated:  # an invalid update must not end the one in flight
             validate_manifest(manifest, self._spec)
             layout.validated.add(checked)
+        if self._inflight is not None:
+            log.warning("receiver: update %d supersedes unfinished update %d", uid, self._inflight.update_id)
+            self._end("superseded by update %d" % uid)
+        self._highest_update_id = uid
         staging, flats = self._staging(manifest)
         self._inflight = _InFlight(manifest, layout, staging, flats)
         if log.isEnabledFor(logging.DEBUG):
@@ -206,6 +214,12 @@ class Receiver:
         if msg.bucket >= len(sizes):
             raise ManifestError(f"stage names bucket {msg.bucket} but update {msg.update_id} has {len(sizes)}")
         size, done = sizes[msg.bucket], tx.received.get(msg.bucket, 0)
+        if size and done == size:
+            raise ManifestError(f"bucket {msg.bucket} of update {msg.update_id} is already complete; stage it once")
+        if msg.nbytes > self._transport.slot(msg.slot).numel():
+            raise ManifestError(
+                f"stage of {msg.nbytes} bytes exceeds transport slot {msg.slot}; chunk buckets by the slot size"
+            )
         if msg.offset != done or msg.offset + msg.nbytes > size:
             raise ManifestError(
                 f"bucket {msg.bucket}: chunk [{msg.offset}, {msg.offset + msg.nbytes}) does not continue "

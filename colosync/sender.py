@@ -216,7 +216,8 @@ class Sender:
         Keep the trainer's weights in them (allocate the adapter there, or copy into them once)
         and ``push`` them: a sync then packs nothing, the engine copies straight out of them.
         Do not write them while a push is running. The buffer holds exactly one update, so its
-        memory is that update's size; ``push`` of other tensors still works through it.
+        memory is that update's size, and this Sender then pushes only those tensors (use a
+        second Sender for other updates).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -232,7 +233,10 @@ class Sender:
                 f"the {transport.name} transport keeps its buffer in {transport.slot(0).device} memory, so it "
                 f"cannot host an arena for tensors on {device}; use transport='cuda_ipc'"
             )
+        self._plans.clear()  # plans made under another bucket size would not fit the arena
+        self._last_plan = None
         plan = self._plan([(n, torch.Size(shape), dtype) for n, shape, dtype in specs])
+        assert len(plan.sizes) <= 1, "an arena is one bucket"
         views = typed_views(transport.slot(0)[: plan.sizes[0]], plan.metas) if plan.sizes else []
         plan.arena = views
         self._arena = (plan, views)
@@ -266,6 +270,11 @@ class Sender:
     ) -> SyncReport:
         timer = _Timer()
         plan = self._plan(specs)
+        if self._arena is not None and plan is not self._arena[0]:
+            raise TransportError(
+                f"this Sender's buffer is an arena for {len(self._arena[1])} tensors; pushing other tensors "
+                "through it would overwrite them: push the arena's tensors, or use a second Sender"
+            )
         if self.device is not None:
             device = self.device
         elif tensors:
@@ -371,22 +380,25 @@ class Sender:
             for known in self._plans.values():
                 known.views.clear()
             if self._next_id is None:
-                self._next_id = ack.committed_update_id + 1
+                self._next_id = ack.next_update_id()
             return transport
         raise TransportUnavailable("no transport works here: " + "; ".join(passed))
 
     def _claim_update_id(self, requested: int | None) -> int:
         if self._next_id is None:
-            self._next_id = self.link.submit(Status()).wait().committed_update_id + 1
+            self._next_id = self.link.submit(Status()).wait().next_update_id()
         uid = self._next_id if requested is None else requested
         self._next_id = max(self._next_id, uid + 1)
         return uid
 
     def _abort(self, uid: int, exc: BaseException) -> None:
         try:
-            self.link.submit(Abort(uid, reason=f"sender failed: {type(exc).__name__}: {exc}")).wait()
+            ack = self.link.submit(Abort(uid, reason=f"sender failed: {type(exc).__name__}: {exc}")).wait()
         except Exception as abort_exc:  # the original error matters more
             log.debug("abort of update %d not acknowledged: %s", uid, abort_exc)
+            return
+        if ack.committed_update_id >= uid:  # the Commit was already on its way and landed
+            exc.add_note(f"colosync: the engine did commit update {uid} before this error reached the sender")
 
     def _stream_buckets(
         self,

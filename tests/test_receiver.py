@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from colosync.engines.store import StoreEngine
-from colosync.errors import ManifestError, StaleUpdateError, TransactionStateError, UpdateTimeoutError
+from colosync.errors import (
+    ManifestError,
+    StaleUpdateError,
+    TransactionStateError,
+    TransportError,
+    UnknownTensorError,
+    UpdateTimeoutError,
+)
 from colosync.link import LocalLink
 from colosync.bucket import fingerprint, pack_into, plan_buckets
-from colosync.manifest import UpdateManifest
+from colosync.manifest import LoraSpec, UpdateManifest
 from colosync.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
 from colosync.receiver import Receiver, ReceiverPolicy
 from colosync.sender import Sender
@@ -134,3 +141,62 @@ def test_sender_aborts_when_its_source_fails(rig):
         with pytest.raises(RuntimeError, match="gathering"):
             sender.push_stream([(n, tuple(t.shape), t.dtype) for n, t in NAMED], broken())
     assert receiver.in_flight is None and receiver.committed_update_id == 0 and store.tensors == {}
+
+
+def test_an_invalid_begin_leaves_the_update_in_flight_alone(rig):
+    _, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    bad = UpdateManifest(2, "lora", m.tensors, m.bucket_sizes, LoraSpec(4, 8.0, ("q_proj",)))
+    with pytest.raises(UnknownTensorError):
+        receiver.handle(Begin(bad))
+    assert receiver.in_flight == 1
+    stage_all(receiver, transport, m, NAMED)
+    receiver.handle(Prepare(1))
+    assert receiver.handle(Commit(1)).committed_update_id == 1
+
+
+def test_ids_of_aborted_updates_are_never_reused(rig):
+    _, receiver, transport = rig
+    receiver.handle(Begin(manifest(7, NAMED)))
+    ack = receiver.handle(Abort(7))
+    assert ack.highest_update_id == 7 and ack.next_update_id() == 8
+    for uid in (7, 3):
+        with pytest.raises(StaleUpdateError, match="ids are never reused"):
+            receiver.handle(Begin(manifest(uid, NAMED)))
+    receiver.handle(Begin(manifest(8, NAMED)))
+
+
+def test_a_restarted_sender_does_not_join_an_abandoned_update(rig):
+    store, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))  # a sender that began, staged and vanished (no disconnect signal here)
+    stage_all(receiver, transport, m, [(n, torch.zeros_like(t)) for n, t in NAMED])
+    sevens = [(n, torch.full_like(t, 7)) for n, t in NAMED]
+    with Sender(LocalLink(receiver), transport="shm") as sender:
+        report = sender.push(sevens)
+    assert report.update_id == 2 and receiver.committed_update_id == 2
+    assert all(torch.equal(store.tensors[n], t) for n, t in sevens)
+
+
+def test_stage_is_refused_past_a_complete_bucket_or_a_slot(rig):
+    _, receiver, transport = rig
+    m = manifest(1, NAMED)
+    receiver.handle(Begin(m))
+    with pytest.raises(ManifestError, match="exceeds transport slot"):
+        receiver.handle(Stage(1, 0, 0, transport.slot_bytes + 64, 0, None))
+    receiver.handle(Begin(m2 := manifest(2, NAMED)))
+    stage_all(receiver, transport, m2, NAMED)
+    with pytest.raises(ManifestError, match="already complete"):
+        receiver.handle(Stage(2, 0, m2.bucket_sizes[0], 0, 0, None))
+
+
+def test_an_arena_sender_refuses_to_overwrite_its_arena(rig):
+    _, receiver, _ = rig
+    with Sender(LocalLink(receiver), transport="shm") as sender:
+        [a] = sender.arena([("a", (4,), torch.float32)], "cpu")
+        a.fill_(1.0)
+        with pytest.raises(TransportError, match="arena"):
+            sender.push([("other", torch.full((8,), 9.0))])
+        assert torch.equal(a, torch.ones(4))
+        sender.push([("a", a)])

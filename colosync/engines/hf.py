@@ -115,9 +115,13 @@ class HFEngine:
             with torch.no_grad():
                 torch._foreach_copy_(prepared.params, prepared.values)
             return
-        old, self._served_adapter = self._served_adapter, prepared.adapter
+        old = self._served_adapter
+        self._served_adapter = prepared.adapter  # from here on generation uses the new adapter
         if old is not None:
-            self._peft.delete_adapter(old)
+            try:
+                self._peft.delete_adapter(old)
+            except Exception:  # the switch is done; a leftover adapter only costs memory
+                log.exception("hf engine: could not delete adapter %s", old)
 
     def discard(self, prepared: Any) -> None:
         if isinstance(prepared, _PreparedLora):

@@ -93,6 +93,7 @@ class EngineHost:
 
     def handle(self, request: msgspec.Struct) -> msgspec.Struct:
         try:
+            self.receiver.check_timeout()  # hosts without a timer (Ray actors) still expire abandoned updates
             if isinstance(request, TransactionRequest.__args__):
                 return self.receiver.handle(request)
             return self.engine.handle(request, self.receiver)
