@@ -6,6 +6,8 @@ engine. Engine side: ``Receiver`` driving an ``EngineTarget``. Bytes move throug
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
 
+from pathlib import Path
+
 from .errors import (
     ColosyncError,
     DtypeError,
@@ -30,6 +32,9 @@ from .sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
 from .target import EngineTarget, ModelSpec, ParamSpec
 
 __version__ = "0.1.0"
+
+WORKLOADS_DIR = Path(__file__).parent / "workloads"
+"""Shipped workloads: sync payloads (seed-lora, llama8b-full) and handoff presets (k3-gb300)."""
 
 __all__ = [
     "ColosyncError", "DtypeError", "EngineError", "FingerprintMismatchError", "ManifestError", "NonFiniteError",

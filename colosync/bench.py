@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from . import WORKLOADS_DIR
 
-WORKLOAD_DIR = Path(__file__).parent / "workloads"
 DEFAULT_BUCKET_MB = {"cuda_ipc": 1024, "shm": 64}
 DEFAULT_SLOTS = {"cuda_ipc": 2, "shm": 2}
 REFERENCE_BUCKET_MB = 256
@@ -80,7 +80,7 @@ class BenchResult(msgspec.Struct):
 # -- workloads -------------------------------------------------------------------------------
 def workload_names() -> list[str]:
     """The shipped sync workloads (JSON files with a ``tensors`` list)."""
-    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.json") if '"tensors"' in p.read_text())
+    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.json") if '"tensors"' in p.read_text())
 
 
 def load_workload(arg: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None)
@@ -89,7 +89,7 @@ def load_workload(arg: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None
 
     path = Path(arg)
     if not path.suffix == ".json" and not path.exists():
-        path = WORKLOAD_DIR / f"{arg}.json"
+        path = WORKLOADS_DIR / f"{arg}.json"
     if not path.exists():
         raise SystemExit(f"no workload {arg!r}: give one of {workload_names()} or a JSON file path")
     data = json.loads(path.read_text())

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from .. import WORKLOADS_DIR
 from .errors import PlanError, SizesError
 from .ops import HOST_COPIES, Place, Region, effect
 from .plans import PEAK_DEVICES, HandoffConfig, Phase, Plan, build_plan, start_state
@@ -137,13 +138,10 @@ def sizes_from_workload(doc: Mapping[str, Any]) -> HandoffSizes:
 def preset_names() -> list[str]:
     """Handoff workloads shipped inside the package (``--workload NAME``)."""
     names = []
-    for entry in WORKLOADS.iterdir():
+    for entry in WORKLOADS_DIR.iterdir():
         if entry.name.endswith("-handoff.json"):
             names.append(entry.name.removesuffix("-handoff.json"))
     return sorted(names)
-
-
-WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"  # shipped as package data
 
 
 def load_workload(name_or_path: str) -> tuple[HandoffSizes, dict[str, Any]]:
@@ -153,7 +151,7 @@ def load_workload(name_or_path: str) -> tuple[HandoffSizes, dict[str, Any]]:
         doc = json.loads(path.read_text())
     else:
         for candidate in (f"{name_or_path}-handoff.json", f"{name_or_path}.json"):
-            entry = WORKLOADS / candidate
+            entry = WORKLOADS_DIR / candidate
             if entry.is_file():
                 doc = json.loads(entry.read_text())
                 break
