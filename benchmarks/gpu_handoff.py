@@ -26,16 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colosync.handoff import Region, build_plan, compare  # noqa: E402
-from colosync.handoff.bench import run_header  # noqa: E402
-from colosync.handoff.cli import parse_size  # noqa: E402
-from colosync.handoff.engine_memory import TorchEngineMemory  # noqa: E402
+from colosync.tools.bench.handoff import run_header  # noqa: E402
+from colosync.tools.handoff import parse_size  # noqa: E402
+from colosync.handoff.backends.torch_engine import TorchEngineMemory  # noqa: E402
 from colosync.handoff.errors import HandoffInvariantError  # noqa: E402
-from colosync.handoff.executor import HandoffExecutor  # noqa: E402
-from colosync.handoff.host_pool import HostPool  # noqa: E402
-from colosync.handoff.sampling import HostSampler, trim_host_allocator  # noqa: E402
-from colosync.handoff.simulator import HandoffSizes  # noqa: E402
-from colosync.handoff.synthetic import engine_state, trainer_state  # noqa: E402
-from colosync.handoff.torch_backend import TorchTrainerMemory  # noqa: E402
+from colosync.handoff.runtime.executor import HandoffExecutor  # noqa: E402
+from colosync.handoff.backends.host_pool import HostPool  # noqa: E402
+from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator  # noqa: E402
+from colosync.handoff.model.simulator import HandoffSizes  # noqa: E402
+from colosync.tools.bench.synthetic import engine_state, trainer_state  # noqa: E402
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory  # noqa: E402
 
 
 def main() -> int:

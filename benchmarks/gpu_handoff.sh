@@ -37,10 +37,10 @@ run() {  # run NAME CMD...: log the command and its output to $OUT/NAME.txt
 run pytest_gpu "$PY" -m pytest tests/handoff -m gpu -q -p no:cacheprovider
 run handoff_gpu "$PY" benchmarks/gpu_handoff.py --mode gpu --out "$OUT/handoff_gpu.json"
 run handoff_cpu "$PY" benchmarks/gpu_handoff.py --mode cpu --out "$OUT/handoff_cpu.json"
-run handoff_bench "$PY" -m colosync.handoff.cli handoff-bench --size 40GB --tensors 400 --repeats 5 \
+run handoff_bench "$PY" -m colosync.tools.handoff handoff-bench --size 40GB --tensors 400 --repeats 5 \
     --out "$OUT/handoff_bench.json"
-run plan_k3 "$PY" -m colosync.handoff.cli plan --workload k3-gb300 --plot "$OUT/plan_k3.png"
-"$PY" -m colosync.handoff.cli plan --workload k3-gb300 --json > "$OUT/plan_k3.json" 2>/dev/null
+run plan_k3 "$PY" -m colosync.tools.handoff plan --workload k3-gb300 --plot "$OUT/plan_k3.png"
+"$PY" -m colosync.tools.handoff plan --workload k3-gb300 --json > "$OUT/plan_k3.json" 2>/dev/null
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, pathlib, sys

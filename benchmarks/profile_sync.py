@@ -65,13 +65,13 @@ def main() -> None:
 
     import torch
 
-    from colosync.bench import load_workload, make_tensors
+    from colosync.tools.bench.sync import load_workload, make_tensors
     from colosync.engines.process import codecs
     from colosync.engines.sink import SinkEngine
-    from colosync.link import LocalLink, PipeLink
-    from colosync.protocol import Status
-    from colosync.receiver import Receiver
-    from colosync.sender import Sender
+    from colosync.sync.link import LocalLink, PipeLink
+    from colosync.wire.protocol import Status
+    from colosync.sync.receiver import Receiver
+    from colosync.sync.sender import Sender
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -9,14 +9,14 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-200}
 PY=${PY:-python3}
 log="$OUT/run.log"
 step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
-bench() { $PY -m colosync.cli bench "$@" 2>&1 | grep -v '^\s*$' >>"$log"; }
+bench() { $PY -m colosync.tools.cli bench "$@" 2>&1 | grep -v '^\s*$' >>"$log"; }
 
 step machine
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; nproc; } >>"$log" 2>&1
 
 step probe
-$PY -m colosync.cli probe --json >"$OUT/probe.json" 2>>"$log"
-$PY -m colosync.cli probe >>"$log" 2>&1
+$PY -m colosync.tools.cli probe --json >"$OUT/probe.json" 2>>"$log"
+$PY -m colosync.tools.cli probe >>"$log" 2>&1
 
 step "seed-lora: every path, the seeds' references and the floor"
 bench --workload seed-lora --arena --repeats ${SEED_REPEATS:-20} --out "$OUT/seed-lora.json"

@@ -5,7 +5,7 @@ OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-200}
 PY=${PY:-python3}
 log="$OUT/tune.log"
-b() { echo "=== bench $*" >>"$log"; $PY -m colosync.cli bench "$@" 2>&1 | grep -v "^\s*$" | grep -v "━\|──\|┃ path" >>"$log"; }
+b() { echo "=== bench $*" >>"$log"; $PY -m colosync.tools.cli bench "$@" 2>&1 | grep -v "^\s*$" | grep -v "━\|──\|┃ path" >>"$log"; }
 $PY benchmarks/profile_sync.py --workload seed-lora --transport cuda_ipc >"$OUT/prof-seed-ipc.txt" 2>&1
 $PY benchmarks/profile_sync.py --workload seed-lora --transport shm --bucket-mb 64 >"$OUT/prof-seed-shm.txt" 2>&1
 b --workload seed-lora --arena --references fresh_ipc --no-floor --repeats 20

@@ -2,13 +2,13 @@
 
 Trainer side: ``Sender`` (``push``, ``push_peft``, ``push_stream``) over a ``Link`` to the
 engine. Engine side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
-(``colosync.transports``); control messages are typed structs (``colosync.protocol``).
+(``colosync.transports``); control messages are typed structs (``colosync.wire.protocol``).
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
 
 from pathlib import Path
 
-from .errors import (
+from colosync.errors import (
     ColosyncError,
     DtypeError,
     EngineError,
@@ -25,11 +25,11 @@ from .errors import (
     UpdateRejected,
     UpdateTimeoutError,
 )
-from .link import Link, LocalLink
-from .manifest import LoraSpec, TensorMeta, UpdateManifest
-from .receiver import Receiver, ReceiverPolicy
-from .sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
-from .target import EngineTarget, ModelSpec, ParamSpec
+from colosync.sync.link import Link, LocalLink
+from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
+from colosync.sync.receiver import Receiver, ReceiverPolicy
+from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
+from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ import torch
 
 from colosync import transports
 from colosync.errors import TransportError, TransportUnavailable
-from colosync.sender import Sender
+from colosync.sync.sender import Sender
 from colosync.transports import cuda_ipc
 from colosync.transports.cuda_ipc import CudaIpcHandle, CudaIpcSender
 
@@ -47,7 +47,7 @@ def test_cuda_ipc_is_tried_first():
 
 
 def test_auto_falls_back_to_shm_when_the_engine_cannot_open_cuda_ipc(forced_ipc, store_engine, caplog):
-    caplog.set_level(logging.INFO, logger="colosync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
     with Sender(store_engine.connect(), transport="auto", bucket_bytes=4096) as sender:
         report = sender.push(NAMED)
         assert report.transport == "shm"
@@ -69,7 +69,7 @@ def test_forced_cuda_ipc_fails_loudly_instead_of_falling_back(forced_ipc, store_
 
 
 def test_cpu_tensors_pass_over_cuda_ipc_with_the_reason(store_engine, caplog):
-    caplog.set_level(logging.INFO, logger="colosync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
     with Sender(store_engine.connect(), bucket_bytes=4096) as sender:
         assert sender.push(NAMED).transport == "shm"
     assert any("passed over 'cuda_ipc': the tensors are on cpu" in r.getMessage() for r in caplog.records)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colosync.bucket import fingerprint, pack_into, plan_buckets, tensor_views
-from colosync.manifest import ALIGN
+from colosync.wire.bucket import fingerprint, plan_buckets, tensor_views
+from tests.helpers import pack_into
+from colosync.wire.manifest import ALIGN
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):
@@ -29,7 +30,8 @@ def specs_of(named):
 def test_roundtrip_every_dtype_and_shape():
     named = [(f"t{i}.{d}", sample(d, s, i)) for i, (d, s) in enumerate(
         (d, s) for d in DTYPES for s in [(), (1,), (3, 5), (2, 3, 7)])]
-    metas, sizes = plan_buckets(specs_of(named), 256)
+    layout = plan_buckets(specs_of(named), 256)
+    metas, sizes = layout.tensors, layout.bucket_sizes
     assert all(m.offset % ALIGN == 0 for m in metas)
     buffers = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
     for b, buf in enumerate(buffers):
@@ -45,7 +47,8 @@ def test_roundtrip_every_dtype_and_shape():
 
 
 def test_views_are_zero_copy():
-    metas, sizes = plan_buckets([("a", (4,), torch.float32), ("b", (2, 2), torch.float32)], 1024)
+    layout = plan_buckets([("a", (4,), torch.float32), ("b", (2, 2), torch.float32)], 1024)
+    metas, sizes = layout.tensors, layout.bucket_sizes
     buf = torch.zeros(sizes[0], dtype=torch.uint8)
     views = tensor_views(buf, metas)
     views["b"][1, 1] = 5.0
@@ -56,7 +59,8 @@ def test_views_are_zero_copy():
 def test_cap_respected_and_oversize_tensor_gets_own_bucket():
     specs = [("small0", (10,), torch.float32), ("huge", (1000,), torch.float32), ("small1", (10,), torch.float32),
               ("small2", (10,), torch.float32)]
-    metas, sizes = plan_buckets(specs, 128)
+    layout = plan_buckets(specs, 128)
+    metas, sizes = layout.tensors, layout.bucket_sizes
     by_name = {m.name: m for m in metas}
     assert by_name["huge"].bucket not in (by_name["small0"].bucket, by_name["small1"].bucket)
     assert sizes[by_name["huge"].bucket] == 4000 // ALIGN * ALIGN + ALIGN
@@ -82,7 +86,7 @@ def test_fingerprint_detects_flips_and_moves():
 
 
 def test_fingerprint_adds_up_over_chunks():
-    from colosync.bucket import fingerprint_tensor
+    from colosync.wire.bucket import fingerprint_tensor
 
     buf = torch.randint(0, 256, (3 * 8192 + 704,), dtype=torch.uint8)
     whole = fingerprint(buf)
@@ -92,26 +96,28 @@ def test_fingerprint_adds_up_over_chunks():
 
 
 def test_float_runs_and_segments_stop_at_other_dtypes():
-    from colosync.bucket import float_runs
-    from colosync.fused import segments
+    from colosync.wire.bucket import float_runs
+    from colosync.wire.fused import segments
 
     specs = [("a", (3, 5), torch.bfloat16), ("b", (7,), torch.bfloat16), ("i", (4,), torch.int32),
              ("c", (9,), torch.bfloat16), ("d", (3,), torch.float32)]
-    metas, sizes = plan_buckets(specs, 1 << 20)
+    layout = plan_buckets(specs, 1 << 20)
+    metas, sizes = layout.tensors, layout.bucket_sizes
     runs = float_runs(metas)
     assert [r[2] for r in runs] == [torch.bfloat16, torch.bfloat16, torch.float32]  # "i" splits the bf16 run
     segs = segments(metas, sizes[0])
     assert segs[0][0] == 0 and segs[-1][1] == sizes[0]
     assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))  # contiguous cover
     assert all(s[0] % 8 == 0 and s[1] % 8 == 0 for s in segs)
-    assert float_runs(plan_buckets([("f8", (4,), torch.float8_e4m3fn)], 1024)[0]) is None
+    assert float_runs(plan_buckets([("f8", (4,), torch.float8_e4m3fn)], 1024).tensors) is None
 
 
 def test_copy_check_copies_fingerprints_and_flags_nonfinite():
-    from colosync.fused import copy_check, segments
+    from colosync.wire.fused import copy_check, segments
 
     named = [("w", torch.randn(40, 3)), ("n", torch.arange(5, dtype=torch.int64)), ("h", torch.randn(9).half())]
-    metas, sizes = plan_buckets(specs_of(named), 1 << 20)
+    layout = plan_buckets(specs_of(named), 1 << 20)
+    metas, sizes = layout.tensors, layout.bucket_sizes
     buf = torch.zeros(sizes[0], dtype=torch.uint8)
     pack_into(buf, metas, [t for _, t in named])
     segs = segments(metas, sizes[0])

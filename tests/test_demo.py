@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from colosync.cli import main
+from colosync.tools.cli import main
 
 
 def run_demo_json(capsys, *args: str) -> dict:

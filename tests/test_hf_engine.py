@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colosync.bucket import fingerprint, plan_buckets
+from colosync.wire.bucket import fingerprint, plan_buckets
 from colosync.engines.hf import Generate
 from colosync.errors import (
     DtypeError,
@@ -21,10 +21,10 @@ from colosync.errors import (
     TransactionStateError,
     UnknownTensorError,
 )
-from colosync.manifest import UpdateManifest
-from colosync.models import fill_lora, greedy, load_model, random_lora, score
-from colosync.protocol import Begin, Commit, Stage
-from colosync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.wire.manifest import UpdateManifest
+from colosync.demo.models import fill_lora, greedy, load_model, random_lora, score
+from colosync.wire.protocol import Begin, Commit, Stage
+from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 
 PROMPTS = [[1, 17, 33, 250], [1, 99, 4], [1, 500, 501, 502, 7]]
 NEW = 10
@@ -138,10 +138,11 @@ def test_stale_update_id_is_rejected(sender, trainer, served):
 def test_corrupted_bytes_fail_the_fingerprint(hf_engine, sender, trainer, served):
     """Drive the protocol by hand: announce one fingerprint, deliver different bytes."""
     named = peft_lora_tensors(trainer)
-    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], sender.bucket_bytes)
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], sender.bucket_bytes)
+    sizes = layout.bucket_sizes
     uid = served.update_id + 1
     link = sender.link
-    link.submit(Begin(UpdateManifest(uid, "lora", tuple(metas), tuple(sizes), peft_lora_spec(trainer)))).wait()
+    link.submit(Begin(UpdateManifest(uid, "lora", layout, peft_lora_spec(trainer)))).wait()
     slot = sender._transport.slot(0)
     slot[: sizes[0]].random_(0, 255)
     wrong = fingerprint(slot[: sizes[0]]) + 1

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colosync.bucket import plan_buckets
+from colosync.wire.bucket import plan_buckets
 from colosync.errors import ManifestError
-from colosync.manifest import (
+from colosync.wire.manifest import (
+    Layout,
     LoraSpec,
     TensorMeta,
     UpdateManifest,
@@ -27,8 +28,7 @@ def good_manifest() -> UpdateManifest:
         ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (64, 8), torch.bfloat16),
         ("scale", (3,), torch.float32),
     ]
-    metas, sizes = plan_buckets(specs, 1024)
-    return UpdateManifest(7, "lora", tuple(metas), tuple(sizes), LoraSpec(8, 16.0, ("q_proj",)))
+    return UpdateManifest(7, "lora", plan_buckets(specs, 1024), LoraSpec(8, 16.0, ("q_proj",)))
 
 
 def as_dict(m: UpdateManifest) -> dict:
@@ -45,20 +45,20 @@ def test_roundtrip_msgpack_and_json():
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda d: d["tensors"][0].update(shape=[8, -64]), "negative dimension"),
-        (lambda d: d["tensors"][0].update(nbytes=5), "needs 1024"),
-        (lambda d: d["tensors"][0].update(offset=3), "aligned"),
-        (lambda d: d["tensors"][0].update(bucket=9), "but the update has 3 buckets"),
-        (lambda d: d["tensors"][1].update(offset=0, bucket=0), "overlap"),
-        (lambda d: d["tensors"][1].update(name=d["tensors"][0]["name"]), "appears twice"),
-        (lambda d: d["tensors"][2].update(offset=d["bucket_sizes"][d["tensors"][2]["bucket"]]), "beyond bucket"),
-        (lambda d: d["tensors"][0].update(dtype="float128"), "unknown dtype"),
+        (lambda d: d["layout"]["tensors"][0].update(shape=[8, -64]), "negative dimension"),
+        (lambda d: d["layout"]["tensors"][0].update(nbytes=5), "needs 1024"),
+        (lambda d: d["layout"]["tensors"][0].update(offset=3), "aligned"),
+        (lambda d: d["layout"]["tensors"][0].update(bucket=9), "but the update has 3 buckets"),
+        (lambda d: d["layout"]["tensors"][1].update(offset=0, bucket=0), "overlap"),
+        (lambda d: d["layout"]["tensors"][1].update(name=d["layout"]["tensors"][0]["name"]), "appears twice"),
+        (lambda d: d["layout"]["tensors"][2].update(offset=d["layout"]["bucket_sizes"][d["layout"]["tensors"][2]["bucket"]]), "beyond bucket"),
+        (lambda d: d["layout"]["tensors"][0].update(dtype="float128"), "unknown dtype"),
         (lambda d: d.update(update_id=0), "positive integer"),
         (lambda d: d.update(lora=None), "needs a LoraSpec"),
         (lambda d: d.update(kind="delta"), "kind"),
         (lambda d: d["lora"].update(rank=0), "rank must be > 0"),
-        (lambda d: d.update(bucket_sizes=[d["bucket_sizes"][0], -64]), "multiple of 64"),
-        (lambda d: d["tensors"][0].update(shape="8x64"), "Expected `array`"),
+        (lambda d: d["layout"].update(bucket_sizes=[d["layout"]["bucket_sizes"][0], -64]), "multiple of 64"),
+        (lambda d: d["layout"]["tensors"][0].update(shape="8x64"), "Expected `array`"),
     ],
 )
 def test_decoder_rejects_each_malformation(mutate, needle):
@@ -71,7 +71,7 @@ def test_decoder_rejects_each_malformation(mutate, needle):
 def test_constructor_validates_too():
     with pytest.raises(ManifestError, match="appears twice"):
         meta = TensorMeta("w", "float32", (4,), 0, 0, 16)
-        UpdateManifest(1, "full", (meta, meta), (64,))
+        Layout((meta, meta), (64,))
 
 
 @settings(max_examples=300, deadline=None)
@@ -100,7 +100,7 @@ json_values = st.recursive(
 )
 def test_any_wrong_field_value_is_rejected_or_consistent(field, index, value):
     d = as_dict(good_manifest())
-    d["tensors"][index][field] = value
+    d["layout"]["tensors"][index][field] = value
     try:
         m = decode_manifest(msgspec.msgpack.encode(d))
     except ManifestError:
@@ -114,19 +114,20 @@ def test_any_wrong_field_value_is_rejected_or_consistent(field, index, value):
 def test_a_repeated_begin_decodes_like_the_first():
     from typing import Union
 
-    from colosync.protocol import Begin, Codec, TransactionRequest
+    from colosync.wire.protocol import Begin, Codec, TransactionRequest
 
     sender, receiver = Codec(Union[TransactionRequest.__args__]), Codec(Union[TransactionRequest.__args__])
     first = good_manifest()
-    assert receiver.decode(sender.encode(Begin(first))).manifest == first
+    decoded_first = receiver.decode(sender.encode(Begin(first))).manifest
+    assert decoded_first == first
     for uid in (8, 300, 2**40):
         again = msgspec.structs.replace(first, update_id=uid)
         data = sender.encode(Begin(again))
         assert data == msgspec.msgpack.encode(Begin(again))  # the fast encoding is the plain one
         decoded = receiver.decode(data).manifest
-        assert decoded == again and decoded.tensors is first.tensors  # one interned layout
+        assert decoded == again and decoded.layout is decoded_first.layout  # one Layout object per codec
     changed = as_dict(first)
-    changed["tensors"][0]["name"] = changed["tensors"][0]["name"].replace("q_proj", "k_proj")
+    changed["layout"]["tensors"][0]["name"] = changed["layout"]["tensors"][0]["name"].replace("q_proj", "k_proj")
     assert receiver.decode(msgspec.msgpack.encode({"type": "begin", "manifest": changed})).manifest.tensors[0].name.endswith(
         "k_proj.lora_A.weight")
     zero = msgspec.msgpack.encode(Begin(first)).replace(b"\xa9update_id\x07", b"\xa9update_id\x00")

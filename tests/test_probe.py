@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from colosync.probe import ProbeReport, pidfd_getfd, run_probe
+from colosync.tools.probe import ProbeReport, pidfd_getfd, run_probe
 
 
 def test_report_names_each_check_and_the_auto_pick():
@@ -41,7 +41,7 @@ def test_pidfd_getfd_on_self_and_on_a_dead_pid():
 
 
 def test_cli_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "colosync.cli", "probe", "--json", "--no-spawn"],
+    out = subprocess.run([sys.executable, "-m", "colosync.tools.cli", "probe", "--json", "--no-spawn"],
                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode in (0, 1), out.stderr
     data = json.loads(out.stdout)

@@ -16,12 +16,13 @@ from colosync.errors import (
     UnknownTensorError,
     UpdateTimeoutError,
 )
-from colosync.link import LocalLink
-from colosync.bucket import fingerprint, pack_into, plan_buckets
-from colosync.manifest import LoraSpec, UpdateManifest
-from colosync.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
-from colosync.receiver import Receiver, ReceiverPolicy
-from colosync.sender import Sender
+from colosync.sync.link import LocalLink
+from colosync.wire.bucket import fingerprint, plan_buckets
+from tests.helpers import pack_into
+from colosync.wire.manifest import LoraSpec, UpdateManifest
+from colosync.wire.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
+from colosync.sync.receiver import Receiver, ReceiverPolicy
+from colosync.sync.sender import Sender
 from colosync.transports.shm import ShmSender
 
 
@@ -38,8 +39,7 @@ def rig():
 
 
 def manifest(uid: int, named) -> UpdateManifest:
-    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
-    return UpdateManifest(uid, "full", tuple(metas), tuple(sizes))
+    return UpdateManifest(uid, "full", plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16))
 
 
 def stage_all(receiver, transport, m, named):
@@ -147,7 +147,7 @@ def test_an_invalid_begin_leaves_the_update_in_flight_alone(rig):
     _, receiver, transport = rig
     m = manifest(1, NAMED)
     receiver.handle(Begin(m))
-    bad = UpdateManifest(2, "lora", m.tensors, m.bucket_sizes, LoraSpec(4, 8.0, ("q_proj",)))
+    bad = UpdateManifest(2, "lora", m.layout, LoraSpec(4, 8.0, ("q_proj",)))
     with pytest.raises(UnknownTensorError):
         receiver.handle(Begin(bad))
     assert receiver.in_flight == 1

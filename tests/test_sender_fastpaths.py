@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from colosync.engines.sink import SinkEngine
-from colosync.link import LocalLink
-from colosync.receiver import Receiver
-from colosync.sender import Sender
+from colosync.sync.link import LocalLink
+from colosync.sync.receiver import Receiver
+from colosync.sync.sender import Sender
 
 
 def test_plan_is_reused_and_padding_is_zeroed_in_the_slot():

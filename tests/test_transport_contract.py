@@ -21,8 +21,8 @@ from colosync import transports
 from colosync.engines.process import EngineAddress, EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, tensor_digests
 from colosync.engines.store import Fetch
-from colosync.protocol import Status
-from colosync.sender import Sender
+from colosync.wire.protocol import Status
+from colosync.sync.sender import Sender
 
 from .test_bucket import DTYPES, sample
 
@@ -59,7 +59,7 @@ def fetch_all(eng: EngineProcess) -> dict[str, torch.Tensor]:
     out = {}
     for t in reply.tensors:
         raw = torch.frombuffer(bytearray(t.data), dtype=torch.uint8) if t.data else torch.empty(0, dtype=torch.uint8)
-        from colosync.manifest import dtype_from_name
+        from colosync.wire.manifest import dtype_from_name
 
         out[t.name] = raw.view(dtype_from_name(t.dtype)).reshape(t.shape)
     return out

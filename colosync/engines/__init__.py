@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import EngineError
+from colosync.errors import EngineError
 
 _REGISTRY: dict[str, str] = {
     "hf": "colosync.engines.hf:HFEngine",

@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
-from ..errors import ManifestError, UnknownTensorError
-from ..manifest import LoraSpec, UpdateManifest
-from ..receiver import Receiver
-from ..target import ModelSpec, ParamSpec, parse_lora_name
+from colosync.errors import ManifestError, UnknownTensorError
+from colosync.wire.manifest import LoraSpec, UpdateManifest
+from colosync.sync.receiver import Receiver
+from colosync.sync.target import ModelSpec, ParamSpec, parse_lora_name
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, config) -> "HFEngine":  # noqa: ANN001 - EngineConfig
-        from ..models import load_model
+        from colosync.demo.models import load_model
 
         return cls(load_model(config.model_dir, config.device), config.max_lora_rank)
 
@@ -176,7 +176,7 @@ class HFEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def handle(self, request: Generate | Score, receiver: Receiver) -> Generation | Scores:
-        from ..models import generate, score
+        from colosync.demo.models import generate, score
 
         with self._serving():
             if isinstance(request, Generate):

@@ -24,11 +24,11 @@ from typing import Any, ClassVar, Protocol, Union
 
 import msgspec
 
-from ..errors import ColosyncError, EngineError
-from ..link import PipeLink
-from ..protocol import Ack, Begin, Codec, Failed, TransactionRequest
-from ..receiver import Receiver, ReceiverPolicy
-from ..target import EngineTarget
+from colosync.errors import ColosyncError, EngineError
+from colosync.sync.link import PipeLink
+from colosync.wire.protocol import Ack, Begin, Codec, Failed, TransactionRequest
+from colosync.sync.receiver import Receiver, ReceiverPolicy
+from colosync.sync.target import EngineTarget
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class EngineHost:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from . import engine_class
+        from colosync.engines import engine_class
 
         cls = engine_class(config.engine)
         self.engine = cls.from_config(config)
@@ -188,7 +188,7 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
-        from . import engine_class
+        from colosync.engines import engine_class
 
         self.config = config
         self._cls = engine_class(config.engine)

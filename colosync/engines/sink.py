@@ -16,10 +16,10 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from ..bucket import fingerprint_tensor, typed_views
-from ..manifest import TensorMeta, UpdateManifest
-from ..receiver import Receiver
-from ..target import ModelSpec, Staging
+from colosync.wire.bucket import fingerprint_tensor, typed_views
+from colosync.wire.manifest import TensorMeta, UpdateManifest
+from colosync.sync.receiver import Receiver
+from colosync.sync.target import ModelSpec, Staging
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
@@ -77,14 +77,14 @@ class SinkEngine:
 
     def staging(self, manifest: UpdateManifest) -> Staging:
         spare = self._spare
-        if spare is None or (spare[0] is not manifest.tensors and spare[0] != manifest.tensors):
-            spare = self._spare = (manifest.tensors, _allocate(manifest.tensors, manifest.bucket_sizes, self.device))
+        if spare is None or (spare[0] is not manifest.layout and spare[0] != manifest.layout):
+            spare = self._spare = (manifest.layout, _allocate(manifest.tensors, manifest.bucket_sizes, self.device))
         return spare[1]
 
     def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> tuple:
         spare, self._spare = self._spare, None  # lent tensors now belong to this prepared update
         if spare is None:  # a Receiver that did not use staging(): own a copy
-            return (manifest.tensors, None, {name: t.clone() for name, t in tensors.items()})
+            return (manifest.layout, None, {name: t.clone() for name, t in tensors.items()})
         return (spare[0], spare[1], tensors)
 
     def commit(self, prepared: tuple, update_id: int) -> None:

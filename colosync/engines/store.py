@@ -14,9 +14,9 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from ..manifest import UpdateManifest, dtype_name
-from ..receiver import Receiver
-from ..target import ModelSpec
+from colosync.wire.manifest import UpdateManifest, dtype_name
+from colosync.sync.receiver import Receiver
+from colosync.sync.target import ModelSpec
 
 
 class Fetch(msgspec.Struct, tag="fetch", frozen=True):

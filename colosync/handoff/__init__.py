@@ -13,7 +13,7 @@ Light imports only here: torch-heavy modules load when used.
 
 from __future__ import annotations
 
-from .errors import (
+from colosync.handoff.errors import (
     HandoffError,
     HandoffInvariantError,
     HostPoolExhausted,
@@ -23,9 +23,9 @@ from .errors import (
     StashError,
     UnsupportedOperation,
 )
-from .ops import Op, Place, Region
-from .participants import EngineMemory, Footprint, OpReport, TrainerMemory
-from .plans import (
+from colosync.handoff.model.ops import Op, Place, Region
+from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport, TrainerMemory
+from colosync.handoff.model.plans import (
     HandoffConfig,
     Phase,
     PhaseName,
@@ -34,7 +34,7 @@ from .plans import (
     build_plan,
     validate_plan,
 )
-from .simulator import (
+from colosync.handoff.model.simulator import (
     Comparison,
     HandoffSizes,
     Simulation,

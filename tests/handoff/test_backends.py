@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from colosync.handoff import Region
-from colosync.handoff.engine_memory import TorchEngineMemory
+from colosync.handoff.backends.torch_engine import TorchEngineMemory
 from colosync.handoff.errors import HostPoolExhausted, StashError
-from colosync.handoff.host_pool import HostPool
-from colosync.handoff.stash import TensorStash
-from colosync.handoff.torch_backend import TorchTrainerMemory
+from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.stash import TensorStash
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
 from .conftest import CHUNK, MiB, make_engine_state, make_trainer_state
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from colosync.handoff import HandoffInvariantError, Op, OpReport, Region, build_plan
-from colosync.handoff.engine_memory import TorchEngineMemory
-from colosync.handoff.executor import (
+from colosync.handoff.backends.torch_engine import TorchEngineMemory
+from colosync.handoff.runtime.executor import (
     HandoffExecutor,
     HostBudget,
     NoCoexistingHostCopies,
 )
-from colosync.handoff.host_pool import HostPool
-from colosync.handoff.torch_backend import TorchTrainerMemory
+from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
 from .conftest import CHUNK, make_engine_state, make_trainer_state
 

@@ -15,7 +15,7 @@ from colosync.handoff import (
     build_plan,
     validate_plan,
 )
-from colosync.handoff.ops import HOST_COPIES, apply, effect
+from colosync.handoff.model.ops import HOST_COPIES, apply, effect
 
 # ids avoid the bare word "gpu": the suite's conftest skips items whose keywords contain it
 MODES = [pytest.param("cpu", id="peak-cpu"), pytest.param("gpu", id="peak-gpu")]

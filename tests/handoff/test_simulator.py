@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from colosync.cli import main
+from colosync.tools.cli import main
 from colosync.handoff import (
     HandoffSizes,
     SizesError,
@@ -16,7 +16,7 @@ from colosync.handoff import (
     load_workload,
     simulate,
 )
-from colosync.handoff.cli import parse_size
+from colosync.tools.handoff import parse_size
 
 GB = 10**9
 
@@ -93,7 +93,7 @@ def test_sizes_are_checked():
     with pytest.raises(SizesError, match="raise trainer_resident_bytes"):
         HandoffSizes(engine_weight_bytes=1, engine_kv_bytes=1, trainer_resident_bytes=1, trainer_backup_bytes=2)
     with pytest.raises(SizesError, match="unknown workload key"):
-        from colosync.handoff.simulator import sizes_from_workload
+        from colosync.handoff.model.simulator import sizes_from_workload
 
         sizes_from_workload({"engine_weights": 1})
     with pytest.raises(SizesError, match="presets"):

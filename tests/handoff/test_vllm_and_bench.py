@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colosync.cli import main
+from colosync.tools.cli import main
 from colosync.handoff import SleepModeUnavailable, UnsupportedOperation
 
 
@@ -17,7 +17,7 @@ def test_vllm_cpu_backend_has_no_sleep_mode():
 
     if torch.cuda.is_available():
         pytest.skip("this checks vLLM's CPU backend")
-    from colosync.handoff.engine_memory import VllmEngineMemory, vllm_sleep_support
+    from colosync.handoff.backends.torch_engine import VllmEngineMemory, vllm_sleep_support
 
     ok, why = vllm_sleep_support()
     assert not ok
@@ -27,7 +27,7 @@ def test_vllm_cpu_backend_has_no_sleep_mode():
 
 
 def test_tms_backend_explains_why_it_is_unavailable():
-    from colosync.handoff.tms_backend import TmsTrainerMemory, tms_available
+    from colosync.handoff.backends.tms_trainer import TmsTrainerMemory, tms_available
 
     ok, why = tms_available()
     if ok:

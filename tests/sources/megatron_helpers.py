@@ -342,7 +342,7 @@ def make_reference(geom: Geometry, lora_rank: int, lora_alpha: float, seed: int 
     from peft import get_peft_model_state_dict
     from transformers import LlamaForCausalLM
 
-    from colosync.models import random_lora, tiny_llama_config
+    from colosync.demo.models import random_lora, tiny_llama_config
 
     torch.manual_seed(seed)
     config = tiny_llama_config(
@@ -381,7 +381,7 @@ def vocab_pad(geom: Geometry, seed: int = 7) -> torch.Tensor:
 def hf_llama(geom: Geometry, full: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
-    from colosync.models import tiny_llama_config
+    from colosync.demo.models import tiny_llama_config
 
     config = tiny_llama_config(
         vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=geom.num_layers,

@@ -31,7 +31,7 @@ class RecordingTarget:
     """An EngineTarget that keeps what it was sent, for exact comparison."""
 
     def __init__(self, full: dict[str, torch.Tensor], max_lora_rank: int | None = None) -> None:
-        from colosync.target import ModelSpec, ParamSpec
+        from colosync.sync.target import ModelSpec, ParamSpec
 
         params = {n: ParamSpec(tuple(t.shape), t.dtype) for n, t in full.items()}
         linears = {n.removesuffix(".weight"): (t.shape[1], t.shape[0]) for n, t in full.items()
@@ -62,8 +62,8 @@ class FailingLink:
 
     def submit(self, request):  # noqa: ANN001, ANN201
         from colosync.errors import EngineError
-        from colosync.link import Done
-        from colosync.protocol import Stage
+        from colosync.sync.link import Done
+        from colosync.wire.protocol import Stage
 
         if isinstance(request, Stage):
             self.stages += 1
@@ -78,7 +78,7 @@ class FailingLink:
 def _setup(tp: int, pp: int, ref: dict[str, Any], convention: Convention):
     from megatron.core import parallel_state
 
-    from colosync.manifest import LoraSpec
+    from colosync.wire.manifest import LoraSpec
     from colosync.sources.megatron_layout import ConversionContext
 
     init_megatron(tp, pp)
@@ -100,7 +100,7 @@ def _setup(tp: int, pp: int, ref: dict[str, Any], convention: Convention):
 
 
 def _push(source: Any, link: Any, bucket_bytes: int) -> Any:
-    from colosync.sender import Sender
+    from colosync.sync.sender import Sender
 
     if not source.is_sender:
         return source.push(None)
@@ -111,8 +111,8 @@ def _push(source: Any, link: Any, bucket_bytes: int) -> Any:
 def exactness_worker(rank: int, world: int, tp: int, pp: int, ref_path: str, convention: Convention,
                      bucket_sizes: list[int]) -> dict[str, Any]:
     """Push LoRA and full weights at every bucket size; compare with the reference exactly."""
-    from colosync.link import LocalLink
-    from colosync.receiver import Receiver
+    from colosync.sync.link import LocalLink
+    from colosync.sync.receiver import Receiver
     from colosync.sources.megatron import MegatronSource, ParallelGroups
 
     ref = torch.load(ref_path, weights_only=True)
@@ -197,8 +197,8 @@ def _laziness(model: Any, ctx: Any, groups: Any) -> dict[str, int]:
 def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]) -> dict[str, Any]:
     """The engine fails mid-update: every rank raises, nobody hangs, and the next push works."""
     from colosync.errors import ColosyncError
-    from colosync.link import LocalLink
-    from colosync.receiver import Receiver
+    from colosync.sync.link import LocalLink
+    from colosync.sync.receiver import Receiver
     from colosync.sources.megatron import MegatronSource
 
     source = MegatronSource(model, ctx, groups)
@@ -224,8 +224,8 @@ def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]
 
 
 def _push_from_stage(model: Any, ctx: Any, groups: Any, ref: dict[str, Any], sender_stage: int) -> dict[str, Any]:
-    from colosync.link import LocalLink
-    from colosync.receiver import Receiver
+    from colosync.sync.link import LocalLink
+    from colosync.sync.receiver import Receiver
     from colosync.sources.megatron import MegatronSource
 
     source = MegatronSource(model, ctx, groups, sender_stage=sender_stage)
@@ -253,7 +253,7 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
     import peft
     from megatron.core import parallel_state
 
-    from colosync.manifest import LoraSpec
+    from colosync.wire.manifest import LoraSpec
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sources.megatron_layout import ConversionContext, plan, shard
 
@@ -331,8 +331,8 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
 
     from colosync.engines.hf import HFEngine
     from colosync.engines.process import EngineAddress, connect
-    from colosync.manifest import LoraSpec
-    from colosync.sender import Sender
+    from colosync.wire.manifest import LoraSpec
+    from colosync.sync.sender import Sender
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sources.megatron_layout import ConversionContext
 

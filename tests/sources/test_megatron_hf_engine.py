@@ -23,7 +23,7 @@ def test_tp2_megatron_lora_through_sender_matches_peft_greedy(cpu_world, tmp_pat
 
     from colosync.engines.hf import Generate
     from colosync.engines.process import EngineConfig, EngineProcess
-    from colosync.models import greedy, load_model, make_tiny_llama, random_lora
+    from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 
     geom = Geometry(num_layers=2)
     model_dir = make_tiny_llama(

@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colosync.link import LocalLink
-from colosync.manifest import LoraSpec
-from colosync.receiver import Receiver
-from colosync.sender import Sender
+from colosync.sync.link import LocalLink
+from colosync.wire.manifest import LoraSpec
+from colosync.sync.receiver import Receiver
+from colosync.sync.sender import Sender
 from colosync.sources import megatron, megatron_layout
 from colosync.sources.megatron import MegatronSource, ParallelGroups
 from colosync.sources.megatron_layout import (
@@ -155,7 +155,7 @@ def test_plan_names_and_shapes_are_hf_and_peft_s_own():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import LlamaForCausalLM
 
-    from colosync.models import tiny_llama_config
+    from colosync.demo.models import tiny_llama_config
 
     geom = Geometry(num_layers=2)
     config = tiny_llama_config(vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=2,
@@ -258,7 +258,7 @@ def test_context_reaches_every_bucket_and_stream_is_exact(reference, bucket_byte
 
     class Watch(LocalLink):  # what the engine is told: the manifest once, then one Stage per bucket chunk
         def submit(self, request):  # noqa: ANN001, ANN201
-            from colosync.protocol import Begin, Stage
+            from colosync.wire.protocol import Begin, Stage
 
             if isinstance(request, Begin):
                 begun.append(request.manifest)

@@ -1,0 +1,114 @@
+"""The trainer's view of one engine's Receiver: submit a control message, wait for its reply.
+
+``submit`` returns at once so a Sender can keep several ``Stage`` messages in flight (one per
+transport slot) while the engine copies the previous slot out; replies come back in order.
+``LocalLink`` calls a Receiver in the same process; ``PipeLink`` talks to an engine process
+over a pipe of msgpack bytes; other engines (vLLM's collective RPC, Ray actors) provide their
+own ``Link``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+import msgspec
+
+from colosync.errors import ColosyncError, EngineError
+from colosync.wire.protocol import Ack, Codec, Failed, TransactionRequest
+from colosync.sync.receiver import Receiver
+
+
+class Pending(Protocol):
+    def wait(self) -> Ack:
+        """The reply; raises the ``ColosyncError`` subclass the engine reported."""
+
+
+class Link(Protocol):
+    def submit(self, request: TransactionRequest) -> Pending: ...
+
+    def close(self) -> None: ...
+
+
+class Done:
+    """A reply that is already known."""
+
+    def __init__(self, reply: Ack | None = None, error: ColosyncError | None = None) -> None:
+        self._reply, self._error = reply, error
+
+    def wait(self) -> Ack:
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+
+class LocalLink:
+    """A Receiver living in this process (tests, or an engine embedded in the trainer)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+
+    def submit(self, request: TransactionRequest) -> Done:
+        try:
+            return Done(self.receiver.handle(request))
+        except ColosyncError as exc:
+            return Done(error=exc)
+
+    def close(self) -> None:
+        pass
+
+
+def unwrap(reply: msgspec.Struct) -> msgspec.Struct:
+    if isinstance(reply, Failed):
+        raise reply.to_exception()
+    return reply
+
+
+class PipeLink:
+    """Ordered request/reply over a ``multiprocessing`` pipe carrying msgpack bytes only."""
+
+    def __init__(self, conn: Connection, codec: Codec, reply_codec: Codec) -> None:
+        self._conn, self._codec, self._reply_codec = conn, codec, reply_codec
+        self._waiting: deque[_PipePending] = deque()
+
+    def submit(self, request: msgspec.Struct) -> "_PipePending":
+        try:
+            self._conn.send_bytes(self._codec.encode(request))
+        except (OSError, EOFError) as exc:
+            raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
+        pending = _PipePending(self)
+        self._waiting.append(pending)
+        return pending
+
+    def call(self, request: msgspec.Struct) -> msgspec.Struct:
+        return self.submit(request).wait()
+
+    def _receive_until(self, target: "_PipePending", timeout: float | None) -> None:
+        while not target.done:
+            if timeout is not None and not self._conn.poll(timeout):
+                raise EngineError(f"the engine did not answer within {timeout}s")
+            try:
+                data = self._conn.recv_bytes()
+            except (OSError, EOFError) as exc:
+                raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
+            head = self._waiting.popleft()
+            head.reply = self._reply_codec.decode(data)
+            head.done = True
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _PipePending:
+    timeout: float | None = None
+
+    def __init__(self, link: PipeLink) -> None:
+        self._link = link
+        self.reply: msgspec.Struct | None = None
+        self.done = False
+
+    def wait(self):  # noqa: ANN201 - Ack for transaction messages, engine replies otherwise
+        self._link._receive_until(self, self.timeout)
+        return unwrap(self.reply)

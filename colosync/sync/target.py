@@ -1,0 +1,182 @@
+"""What an engine exposes to the Receiver, and the checks every update must pass against it.
+
+An engine adapter (``hf``, ``vllm``, ...) describes its model once as a ``ModelSpec`` and
+implements ``prepare`` / ``commit`` / ``discard``. Everything that can be decided from the
+manifest alone -- unknown names, wrong shapes, a rank over the engine's maximum, dtypes that
+cannot be cast -- is checked here, before a single byte moves, with messages that name the
+tensor, the expectation and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from colosync.errors import DtypeError, RankError, ShapeMismatchError, UnknownTensorError
+from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What an engine's model accepts.
+
+    ``params`` maps HF parameter names to their shape and dtype (full-weight updates);
+    ``lora_modules`` maps HF module paths (``model.layers.0.self_attn.q_proj``) to
+    ``(in_features, out_features)`` for every module a LoRA may wrap. ``None`` means "any
+    name and shape" (a plain tensor store); only structural checks apply then.
+    """
+
+    params: Mapping[str, ParamSpec] | None
+    lora_modules: Mapping[str, tuple[int, int]] | None = field(default_factory=dict)
+    max_lora_rank: int | None = None
+    lora_dtype: torch.dtype = torch.float32
+
+
+class EngineTarget(Protocol):
+    """The engine half of a transaction. ``prepare`` builds, ``commit`` installs."""
+
+    def model_spec(self) -> ModelSpec: ...
+
+    def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
+        """Build the update (cast, shard, assemble) without changing what is served."""
+
+    def commit(self, prepared: Any, update_id: int) -> None:
+        """Install a prepared update; must either fully succeed or change nothing."""
+
+    def discard(self, prepared: Any) -> None:
+        """Free a prepared update that will not be committed."""
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Engine-owned tensors to receive an update into (see ``StagingTarget``).
+
+    ``tensors``: one per ``manifest.tensors`` entry, in that order, same shape and dtype,
+    contiguous, on the Receiver's device, none of them served. ``buckets`` (optional): for
+    each bucket, one ``uint8`` tensor of ``bucket_sizes[b]`` bytes in which bytes
+    ``[offset, offset + nbytes)`` of each tensor *are* that tensor's storage and the padding between them
+    belongs to nothing else -- then each bucket lands with one flat copy and no
+    per-tensor work at all.
+    """
+
+    tensors: Sequence[torch.Tensor]
+    buckets: Sequence[torch.Tensor] | None = None
+
+
+class StagingTarget(EngineTarget, Protocol):
+    """An engine that lends its own tensors to receive an update into (optional).
+
+    ``staging`` returns a ``Staging`` (or just the sequence of tensors), or ``None`` to let
+    the Receiver allocate. The Receiver copies each bucket straight from the transport into
+    them (with fused copies, or one flat copy per bucket when ``buckets`` is given) and
+    passes the same tensors to ``prepare`` -- no per-update allocation and no per-tensor view
+    on the receive path. An engine that double-buffers its weights (serve one set, stage
+    into the other, swap on ``commit``) gets an update in with nothing but those copies.
+    """
+
+    def staging(self, manifest: UpdateManifest) -> "Staging | Sequence[torch.Tensor] | None": ...
+
+
+_LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")
+
+
+def parse_lora_name(name: str) -> tuple[str, str]:
+    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> (module, "A")."""
+    match = _LORA_NAME.match(name)
+    if not match:
+        raise UnknownTensorError(
+            f"tensor {name!r} is not a LoRA weight; expected PEFT names like "
+            "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'"
+        )
+    return match["module"], match["part"]
+
+
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src.is_floating_point and dst.is_floating_point
+
+
+def validate_manifest(manifest: UpdateManifest, spec: ModelSpec) -> None:
+    """Raise the specific ``UpdateRejected`` subclass for the first problem found."""
+    if manifest.kind == "lora":
+        assert manifest.lora is not None
+        _validate_lora(manifest.tensors, manifest.lora, spec)
+    else:
+        _validate_full(manifest.tensors, spec)
+
+
+def _validate_full(tensors: tuple[TensorMeta, ...], spec: ModelSpec) -> None:
+    if spec.params is None:
+        return
+    for t in tensors:
+        want = spec.params.get(t.name)
+        if want is None:
+            close = [n for n in spec.params if n.endswith(t.name.split(".")[-1])][:3]
+            raise UnknownTensorError(
+                f"full update names {t.name!r}, which the engine's model does not have; "
+                f"send HF parameter names (e.g. {close or list(spec.params)[:3]})"
+            )
+        if tuple(t.shape) != want.shape:
+            raise ShapeMismatchError(
+                f"tensor {t.name!r}: got shape {list(t.shape)}, the engine's parameter is "
+                f"{list(want.shape)}; send the unsharded HF-layout tensor"
+            )
+        if not _castable(t.torch_dtype, want.dtype):
+            raise DtypeError(
+                f"tensor {t.name!r}: {t.dtype} cannot be cast to the engine's "
+                f"{str(want.dtype).removeprefix('torch.')}; send a floating-point tensor"
+            )
+
+
+def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelSpec) -> None:
+    if spec.max_lora_rank is not None and lora.rank > spec.max_lora_rank:
+        raise RankError(
+            f"adapter rank {lora.rank} exceeds the engine's max_lora_rank={spec.max_lora_rank}; "
+            f"restart the engine with max_lora_rank >= {lora.rank} or train a smaller adapter"
+        )
+    parts: dict[str, set[str]] = {}
+    for t in tensors:
+        module, part = parse_lora_name(t.name)
+        if spec.lora_modules is None:  # any module: the rank must still match the spec
+            dims = (t.shape[1], t.shape[1]) if part == "A" and len(t.shape) == 2 else (t.shape[0], t.shape[0])
+        else:
+            dims = spec.lora_modules.get(module)
+        if dims is None:
+            raise UnknownTensorError(
+                f"tensor {t.name!r}: the engine's model has no LoRA-capable module {module!r}; "
+                "check the name prefix and that the trainer and engine use the same architecture"
+            )
+        if module.rsplit(".", 1)[-1] not in lora.target_modules:
+            raise UnknownTensorError(
+                f"tensor {t.name!r}: module {module!r} is not among the manifest's target_modules "
+                f"{list(lora.target_modules)}; add it to LoraSpec.target_modules or drop the tensor"
+            )
+        in_f, out_f = dims
+        expected = (lora.rank, in_f) if part == "A" else (out_f, lora.rank)
+        if tuple(t.shape) != expected:
+            raise ShapeMismatchError(
+                f"tensor {t.name!r}: got shape {list(t.shape)}, expected {list(expected)} "
+                f"(lora_{part} of a {in_f}->{out_f} module at rank {lora.rank}); check the rank in "
+                "the LoraSpec and that TP shards were gathered before sending"
+            )
+        if not _castable(t.torch_dtype, spec.lora_dtype):
+            raise DtypeError(
+                f"tensor {t.name!r}: {t.dtype} cannot be cast to the engine's LoRA dtype "
+                f"{str(spec.lora_dtype).removeprefix('torch.')}; send floating-point adapter weights"
+            )
+        parts.setdefault(module, set()).add(part)
+    for module, have in parts.items():
+        if have != {"A", "B"}:
+            missing = ({"A", "B"} - have).pop()
+            raise UnknownTensorError(
+                f"module {module!r} has lora_{have.pop()} but no lora_{missing}; send both halves"
+            )

@@ -1,0 +1,494 @@
+"""``colosync bench``: colosync's transports against the seeds' sync paths and the copy floor.
+
+A workload (``seed-lora``, ``llama8b-full`` -- shipped in ``colosync/workloads`` -- or any JSON
+file of the same format) is materialized as random tensors on one GPU in this process (the
+trainer) and pushed, update after update, into a ``sink`` engine in a second process on the
+same GPU; an update ends when its bytes are in engine-owned tensors and the engine has
+committed it. In the same run it times the seeds' two paths (``colosync.tools.bench.refpaths``) into an
+engine that also ends in its own tensors, and the pinned-memory copy floor (one device->host
+and one host->device copy of the payload through pinned memory, one process). Every path's
+result is checked: the engine's tensors must match the trainer's byte for byte.
+
+Prints a table (median, min, GB/s, ratio to the PCIe floor and to each reference) and writes
+JSON with the command line, GPU, driver, torch version and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from colosync import WORKLOADS_DIR
+
+DEFAULT_BUCKET_MB = {"cuda_ipc": 1024, "shm": 64}
+DEFAULT_SLOTS = {"cuda_ipc": 2, "shm": 2}
+REFERENCE_BUCKET_MB = 256
+PICKLE_MAX_BYTES = 4 << 30  # the pickle path runs at ~0.2 GB/s: skip it above this unless asked
+
+
+class Workload(msgspec.Struct):
+    name: str
+    kind: str
+    tensors: int
+    bytes: int
+    description: str = ""
+
+
+class PathResult(msgspec.Struct):
+    path: str
+    kind: str  # transport | reference | floor
+    times_ms: list[float]
+    median_ms: float
+    min_ms: float
+    gbps: float
+    vs_floor: float | None = None
+    speedup_vs: dict[str, float] = {}
+    verified: bool | None = None
+    config: dict[str, Any] = {}
+    phases_ms: dict[str, float] = {}  # median time per Sender phase (see SyncReport)
+
+
+class BenchResult(msgspec.Struct):
+    command: str
+    argv: list[str]
+    date: str
+    host: str
+    gpu: str
+    driver: str
+    cuda: str
+    torch: str
+    python: str
+    workload: Workload
+    floor_ms: float | None
+    results: list[PathResult]
+    notes: list[str] = []
+
+
+# -- workloads -------------------------------------------------------------------------------
+def workload_names() -> list[str]:
+    """The shipped sync workloads (JSON files with a ``tensors`` list)."""
+    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.json") if '"tensors"' in p.read_text())
+
+
+def load_workload(arg: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None)
+    from colosync.wire.manifest import LoraSpec, dtype_from_name
+    from colosync.sync.target import parse_lora_name
+
+    path = Path(arg)
+    if not path.suffix == ".json" and not path.exists():
+        path = WORKLOADS_DIR / f"{arg}.json"
+    if not path.exists():
+        raise SystemExit(f"no workload {arg!r}: give one of {workload_names()} or a JSON file path")
+    data = json.loads(path.read_text())
+    if "tensors" not in data:
+        raise SystemExit(f"{path} has no 'tensors' list; a workload lists name, shape and dtype per tensor")
+    specs = [(t["name"], tuple(int(d) for d in t["shape"]), dtype_from_name(t["dtype"])) for t in data["tensors"]]
+    total = sum(math.prod(s) * d.itemsize for _, s, d in specs)
+    if data.get("total_bytes") not in (None, total):
+        raise SystemExit(f"{path}: total_bytes says {data['total_bytes']} but the tensors add up to {total}")
+    lora = None
+    kind = data.get("kind", "full")
+    if kind == "lora":
+        spec = data.get("lora", {})
+        targets = sorted({parse_lora_name(n)[0].rsplit(".", 1)[-1] for n, _, _ in specs})
+        rank = int(spec.get("rank", 16))
+        lora = LoraSpec(rank=rank, alpha=float(spec.get("alpha", rank)), target_modules=tuple(targets))
+    return Workload(data.get("name", path.stem), kind, len(specs), total, data.get("description", "")), specs, lora
+
+
+def make_tensors(specs: list, device) -> list:  # noqa: ANN001
+    """Random tensors for ``specs`` on ``device`` (finite values; fixed seed)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for name, shape, dtype in specs:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            t.normal_(generator=gen)
+        elif dtype.is_floating_point:
+            t.copy_(torch.randn(shape, device=device, generator=gen).clamp_(-8, 8))
+        elif dtype == torch.bool:
+            t.copy_(torch.randint(0, 2, shape, device=device, generator=gen).bool())
+        else:
+            t.random_(0, 100, generator=gen)
+        out.append((name, t))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return out
+
+
+# -- measurements ----------------------------------------------------------------------------
+def _stats(path: str, kind: str, seconds: list[float], nbytes: int, **extra: Any) -> PathResult:
+    ms = [s * 1e3 for s in seconds]
+    med = statistics.median(ms)
+    return PathResult(path, kind, [round(v, 4) for v in ms], round(med, 4), round(min(ms), 4),
+                      round(nbytes / (med / 1e3) / 1e9, 2), **extra)
+
+
+def _timed(fn, warmup: int, repeats: int, tick=None) -> list[float]:  # noqa: ANN001
+    for _ in range(warmup):
+        fn()
+        if tick:
+            tick()
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            if tick:
+                tick()
+    finally:
+        gc.enable()
+    return times
+
+
+def _bench_transport(engine, name: str, named, lora, bucket_bytes: int, warmup: int, repeats: int, tick,
+                     arena: bool = False, slots: int = 2) -> PathResult:  # noqa: ANN001
+    import torch
+
+    from colosync.engines.sink import Digest, tensor_digests
+    from colosync.sync.sender import Sender
+
+    sender = Sender(engine.connect(), transport=name, bucket_bytes=bucket_bytes, slots=slots)
+    try:
+        if arena:
+            views = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], named[0][1].device)
+            with torch.no_grad():
+                torch._foreach_copy_(views, [t for _, t in named])
+            source = [(n, v) for (n, _), v in zip(named, views)]
+        else:
+            source = named
+        reports = []
+
+        def push() -> None:
+            reports.append(sender.push(source, lora=lora))
+
+        times = _timed(push, warmup, repeats, tick)
+        timed_reports = reports[-repeats:]
+        phases = {k: round(statistics.median(r.seconds[k] for r in timed_reports) * 1e3, 4)
+                  for k in timed_reports[0].seconds}
+        digest = engine.call(Digest())
+        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
+        verified = digest.update_id == reports[-1].update_id and dict(zip(digest.names, digest.fingerprints)) == expect
+        transport = sender.transport
+        config = {
+            "bucket_bytes": sender.bucket_bytes,
+            "slot_bytes": transport.slot_bytes,
+            "slots": transport.num_slots,
+            "transport_bytes": transport.slot_bytes * transport.num_slots,
+            "transport_memory": str(transport.slot(0).device),
+            "buckets": reports[-1].buckets,
+            "engine_bytes": digest.engine_bytes,
+            "receiver_bytes": digest.receiver_bytes,
+            "transport_log": sender.transport_log,
+        }
+        if hasattr(transport, "pinned"):
+            config["pinned"] = transport.pinned
+        total = reports[-1].bytes
+    finally:
+        sender.close()
+    return _stats(name + ("+arena" if arena else ""), "transport", times, total, verified=verified, config=config,
+                  phases_ms=phases)
+
+
+def _bench_reference(mode: str, named, device, bucket_bytes: int, warmup: int, repeats: int, tick) -> PathResult:  # noqa: ANN001
+    from colosync.wire.bucket import plan_buckets
+    from colosync.engines.sink import tensor_digests
+    from colosync.tools.bench.refpaths import ReferencePath
+
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], bucket_bytes)
+    metas, sizes = layout.tensors, layout.bucket_sizes
+    buckets: list[list] = [[] for _ in sizes]
+    for meta, item in zip(metas, named):
+        buckets[meta.bucket].append(item)
+    ref = ReferencePath(mode, device, buckets)
+    try:
+        times = _timed(ref.push, warmup, repeats, tick)
+        got = ref.digests()
+        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
+        verified = got == expect
+    finally:
+        ref.close()
+    total = sum(t.nbytes for _, t in named)
+    return _stats(f"ref:{mode}", "reference", times, total, verified=verified,
+                  config={"bucket_bytes": bucket_bytes, "buckets": len(sizes)})
+
+
+def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:  # noqa: ANN001
+    """Pinned-memory copy floors for ``nbytes``: D2H, H2D, both at once (two streams), D2D."""
+    import torch
+
+    piece = min(nbytes, 1 << 30)
+    pieces = [min(piece, nbytes - o) for o in range(0, nbytes, piece)]
+    src = torch.empty(piece, dtype=torch.uint8, device=device)
+    dst = torch.empty(piece, dtype=torch.uint8, device=device)
+    host_a = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def d2h() -> None:
+        for n in pieces:
+            host_a[:n].copy_(src[:n], non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def h2d() -> None:
+        for n in pieces:
+            dst[:n].copy_(host_b[:n], non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def duplex() -> None:
+        for n in pieces:
+            with torch.cuda.stream(s1):
+                host_a[:n].copy_(src[:n], non_blocking=True)
+            with torch.cuda.stream(s2):
+                dst[:n].copy_(host_b[:n], non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def d2d() -> None:
+        for n in pieces:
+            dst[:n].copy_(src[:n])
+        torch.cuda.synchronize(device)
+
+    out = []
+    for name, fn in (("d2h", d2h), ("h2d", h2d), ("d2h+h2d", None), ("duplex", duplex), ("d2d", d2d)):
+        if fn is None:
+            a, b = out[0], out[1]
+            out.append(_stats("floor:pinned d2h then h2d", "floor", [(x + y) / 1e3 for x, y in zip(a.times_ms, b.times_ms)], nbytes))
+            continue
+        label = {"d2h": "floor:pinned d2h", "h2d": "floor:pinned h2d", "duplex": "floor:pinned d2h || h2d",
+                 "d2d": "floor:device copy"}[name]
+        out.append(_stats(label, "floor", _timed(fn, 2, repeats), nbytes))
+    return out
+
+
+# -- machine ---------------------------------------------------------------------------------
+def _machine(device) -> dict[str, str]:  # noqa: ANN001
+    import torch
+
+    info = {"gpu": "cpu", "driver": "none", "cuda": str(torch.version.cuda), "torch": str(torch.__version__)}
+    if torch.device(device).type != "cuda":
+        return info
+    info.update(gpu=torch.cuda.get_device_name(device), driver="unknown")
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                              str(torch.device(device).index or 0)], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            info["driver"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if info["driver"] == "unknown":
+        try:
+            from colosync.transports.cuda_ipc import runtime
+
+            info["driver"] = f"CUDA driver API {runtime().version('driver')}"
+        except Exception:
+            pass
+    return info
+
+
+# -- the command -----------------------------------------------------------------------------
+def _per_transport(spec: str | None, defaults: dict[str, int]) -> dict[str, int]:
+    """``"256"`` (every transport) or ``"cuda_ipc=1024,shm=64"`` over ``defaults``."""
+    values = dict(defaults)
+    if spec:
+        for part in str(spec).split(","):
+            if "=" in part:
+                name, value = part.split("=", 1)
+                values[name.strip()] = int(float(value))
+            else:
+                values = {k: int(float(part)) for k in values} | {"*": int(float(part))}
+    return values
+
+
+def _bucket_bytes(spec: str | None) -> dict[str, int]:
+    return {k: v << 20 for k, v in _per_transport(spec, DEFAULT_BUCKET_MB).items()}
+
+
+def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: ANN001
+    import torch
+
+    from colosync import transports as registry
+    from colosync.engines.process import EngineConfig, EngineProcess
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("colosync bench needs a CUDA GPU (trainer and engine share one); see `colosync probe`")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    workload, specs, lora = load_workload(args.workload)
+    names = [t.strip() for t in args.transports.split(",")] if args.transports else registry.names()
+    refs = [r.strip() for r in args.references.split(",") if r.strip()] if args.references != "none" else []
+    buckets = _bucket_bytes(args.bucket_mb)
+    slots = _per_transport(args.slots, DEFAULT_SLOTS)
+    repeats = args.repeats or (10 if workload.bytes < (4 << 30) else 5)
+    warmup = args.warmup
+    notes: list[str] = []
+    if device.type != "cuda":  # a smoke test of the transports on CPU: no GPU paths to compare
+        refs, args.no_floor = [], True
+        notes.append("device cpu: references and floors need a GPU and were skipped")
+    if "pickle" in refs and workload.bytes > PICKLE_MAX_BYTES and not args.force_pickle:
+        refs.remove("pickle")
+        notes.append(f"ref:pickle skipped: {workload.bytes / 1e9:.1f} GB at ~0.2 GB/s would take minutes "
+                     "per update (pass --force-pickle to run it)")
+    plan = [(n, "transport") for n in names] + ([("cuda_ipc+arena", "transport")] if args.arena else [])
+    plan += [(f"ref:{r}", "reference") for r in refs] + ([("floors", "floor")] if not args.no_floor else [])
+    task = progress.add_task("bench", total=len(plan) * (warmup + repeats)) if progress else None
+
+    def tick() -> None:
+        if progress:
+            progress.advance(task)
+
+    def status(text: str) -> None:
+        if progress:
+            progress.update(task, description=text)
+
+    status("trainer tensors")
+    named = make_tensors(specs, device)
+    results: list[PathResult] = []
+    engine = EngineProcess(EngineConfig(engine="sink", device=str(device), timeout_s=600.0, log_level="ERROR"))
+    try:
+        for name, kind in plan:
+            if kind != "transport":
+                continue
+            base = name.split("+")[0]
+            ok, why = registry.sender_class(base).available(device)
+            if not ok:
+                notes.append(f"{name} skipped: {why}")
+                if progress:
+                    progress.advance(task, warmup + repeats)
+                continue
+            status(f"{name} ({workload.name})")
+            bucket = buckets.get(base, buckets.get("*", 64 << 20))
+            results.append(_bench_transport(engine, base, named, lora, bucket, warmup, repeats, tick,
+                                            arena=name.endswith("+arena"), slots=slots.get(base, slots.get("*", 2))))
+    finally:
+        engine.close()
+    for ref in refs:
+        status(f"ref:{ref} ({workload.name})")
+        results.append(_bench_reference(ref, named, device, REFERENCE_BUCKET_MB << 20, warmup, repeats, tick))
+    floor_ms = None
+    if not args.no_floor:
+        status("pinned copy floor")
+        floors = _bench_floors(workload.bytes, device, max(repeats, 5))
+        tick()
+        results += floors
+        by = {f.path: f for f in floors}
+        floor_ms = max(by["floor:pinned d2h"].median_ms, by["floor:pinned h2d"].median_ms)
+    ref_medians = {r.path: r.median_ms for r in results if r.kind == "reference"}
+    for r in results:
+        if floor_ms:
+            r.vs_floor = round(r.median_ms / floor_ms, 3)
+        r.speedup_vs = {ref: round(med / r.median_ms, 2) for ref, med in ref_medians.items() if ref != r.path}
+    machine = _machine(device)
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    return BenchResult(
+        command="colosync " + shlex.join(argv), argv=list(sys.argv), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(), gpu=machine["gpu"], driver=machine["driver"], cuda=machine["cuda"],
+        torch=machine["torch"], python=platform.python_version(), workload=workload, floor_ms=floor_ms,
+        results=results, notes=notes,
+    )
+
+
+def print_table(result: BenchResult, console=None) -> None:  # noqa: ANN001
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    w = result.workload
+    table = Table(
+        title=f"colosync bench: {w.name} ({w.tensors} tensors, {w.bytes:,} bytes) on {result.gpu}",
+        caption=f"{result.command} | driver {result.driver}, CUDA {result.cuda}, torch {result.torch} | {result.date}",
+        title_justify="left", caption_justify="left",
+    )
+    refs = [r.path for r in result.results if r.kind == "reference"]
+    for col, just in [("path", "left"), ("median ms", "right"), ("min ms", "right"), ("GB/s", "right"),
+                      ("x PCIe floor", "right")] + [(f"faster than {r[4:]}", "right") for r in refs] + [("ok", "center")]:
+        table.add_column(col, justify=just)
+    for r in result.results:
+        row = [r.path, f"{r.median_ms:.3f}", f"{r.min_ms:.3f}", f"{r.gbps:.1f}",
+               f"{r.vs_floor:.2f}" if r.vs_floor is not None else "-"]
+        row += [f"{r.speedup_vs[ref]:.1f}x" if ref in r.speedup_vs else "-" for ref in refs]
+        row.append({True: "[green]yes[/]", False: "[red]NO[/]", None: ""}[r.verified])
+        table.add_row(*row, style="dim" if r.kind == "floor" else None)
+    console.print(table)
+    if result.floor_ms:
+        console.print(f"PCIe floor = the slower direction of one pinned copy: {result.floor_ms:.3f} ms")
+    for r in result.results:
+        if r.phases_ms:
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in r.phases_ms.items())
+            console.print(f"[dim]{r.path}: {phases} ms; bucket {r.config.get('bucket_bytes', 0) >> 20} MiB, "
+                          f"{r.config.get('slots')} x {r.config.get('slot_bytes', 0) >> 20} MiB slots in "
+                          f"{r.config.get('transport_memory')} memory[/]")
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    if args.json:
+        result = run_bench(args)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as progress:
+            result = run_bench(args, progress)
+    encoded = msgspec.json.format(msgspec.json.encode(result).decode(), indent=2) + "\n"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(encoded)
+    if args.json:
+        sys.stdout.write(encoded)
+    else:
+        print_table(result)
+        if args.out:
+            err.print(f"wrote {args.out}")
+    return 0 if all(r.verified is not False for r in result.results) else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="time each transport between two processes on one GPU against the seeds' paths and the copy floor",
+        description=__doc__.split("\n\n", 1)[1].replace("``", "'"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workload", default="seed-lora",
+                        help=f"a shipped workload ({', '.join(workload_names())}) or a JSON file path (default seed-lora)")
+    parser.add_argument("--transports", default=None, help="comma-separated transports (default: all registered)")
+    parser.add_argument("--references", default="fresh_ipc,pickle",
+                        help="seed reference paths to time: fresh_ipc, pickle, or none (default both)")
+    parser.add_argument("--arena", action="store_true",
+                        help="also time cuda_ipc with the trainer's tensors living in the exported buffer (no packing)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed updates per path (default 10; 5 above 4 GB)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed updates per path first (default 3)")
+    parser.add_argument("--bucket-mb", default=None,
+                        help="bucket size in MiB, for all transports or per transport "
+                             f"(e.g. 'cuda_ipc=256,shm=64'; default {DEFAULT_BUCKET_MB})")
+    parser.add_argument("--slots", default=None,
+                        help=f"buckets in flight (Sender slots), for all or per transport (default {DEFAULT_SLOTS})")
+    parser.add_argument("--device", default="cuda", help="the GPU trainer and engine share (default cuda)")
+    parser.add_argument("--no-floor", action="store_true", help="skip the pinned copy floor")
+    parser.add_argument("--force-pickle", action="store_true", help="run the pickle reference even above 4 GB")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    parser.set_defaults(func=_run, argv=None)

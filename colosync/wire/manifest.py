@@ -1,0 +1,220 @@
+"""Typed description of one weight update, as it travels between trainer and engine.
+
+An update is described before any byte moves, so the engine can refuse it early and so a
+flush in the middle of a stream cannot lose context: the LoRA spec, dtype and layout live
+in one validated object, not in keyword arguments. Structs validate themselves at
+construction *and* when decoded from the wire (msgspec calls ``__post_init__`` on decode),
+so a malformed manifest never reaches the receiver's state machine. Encoding is msgpack or
+JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+import torch
+
+from colosync.errors import ManifestError
+
+ALIGN = 64
+"""Byte alignment of every tensor inside a bucket (and of every bucket's length)."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+        "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
+    )
+    if hasattr(torch, name)
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ManifestError(
+            f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ManifestError(f"dtype {dtype} cannot travel; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class TensorMeta(msgspec.Struct, frozen=True):
+    """Where one named tensor lives inside the update's buckets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ManifestError("tensor name is empty; every tensor needs its parameter name")
+        torch_dtype = dtype_from_name(self.dtype)
+        if any(d < 0 for d in self.shape):
+            raise ManifestError(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
+        if self.bucket < 0 or self.offset < 0 or self.nbytes < 0:
+            raise ManifestError(
+                f"tensor {self.name!r}: bucket, offset and nbytes must be >= 0, got "
+                f"bucket={self.bucket} offset={self.offset} nbytes={self.nbytes}"
+            )
+        expected = math.prod(self.shape) * torch_dtype.itemsize
+        if self.nbytes != expected:
+            raise ManifestError(
+                f"tensor {self.name!r}: nbytes={self.nbytes} but shape {list(self.shape)} of "
+                f"{self.dtype} needs {expected}"
+            )
+        if self.offset % ALIGN:
+            raise ManifestError(f"tensor {self.name!r}: offset {self.offset} is not {ALIGN}-byte aligned")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+class LoraSpec(msgspec.Struct, frozen=True):
+    """The PEFT adapter fields an engine needs to build the adapter."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+    bias: Literal["none"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ManifestError(f"LoRA rank must be > 0, got {self.rank}; pass the adapter's r")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ManifestError(f"LoRA alpha must be a positive number, got {self.alpha}")
+        if not self.target_modules:
+            raise ManifestError("LoRA target_modules is empty; list the module names the adapter wraps")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+class Layout(msgspec.Struct, frozen=True, cache_hash=True):
+    """Where every tensor of an update lives: its buckets and each tensor's place in them.
+
+    A sender repeats one layout update after update, so a layout is checked once, when it is
+    built or decoded, and is its own cache key: frozen, hashed once (``cache_hash``), and
+    shared by identity between the manifests that repeat it (the Sender's plan holds one;
+    ``Codec`` hands the same object back for a repeated ``Begin``). Receivers and engines key
+    their per-layout state on it.
+    """
+
+    tensors: tuple[TensorMeta, ...]
+    bucket_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_layout(self.tensors, self.bucket_sizes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def bucket_tensors(self, bucket: int) -> list[TensorMeta]:
+        return [t for t in self.tensors if t.bucket == bucket]
+
+
+class UpdateManifest(msgspec.Struct, frozen=True):
+    """Everything the engine must know about an update before its bytes arrive."""
+
+    update_id: int
+    kind: Literal["lora", "full"]
+    layout: Layout
+    lora: LoraSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.update_id <= 0:
+            raise ManifestError(f"update_id must be a positive integer, got {self.update_id}")
+        if (self.kind == "lora") != (self.lora is not None):
+            raise ManifestError(
+                f"kind={self.kind!r} with lora={'set' if self.lora else 'missing'}: a LoRA update "
+                "needs a LoraSpec and a full update must not carry one"
+            )
+
+    @property
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        return self.layout.tensors
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        return self.layout.bucket_sizes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layout.total_bytes
+
+
+def _check_layout(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...]) -> None:
+    for i, size in enumerate(bucket_sizes):
+        if size < 0 or size % ALIGN:
+            raise ManifestError(f"bucket {i}: size {size} must be >= 0 and a multiple of {ALIGN}")
+    seen: set[str] = set()
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        if t.name in seen:
+            raise ManifestError(f"tensor {t.name!r} appears twice; names must be unique in one update")
+        seen.add(t.name)
+        if t.bucket >= len(bucket_sizes):
+            raise ManifestError(
+                f"tensor {t.name!r} is in bucket {t.bucket} but the update has "
+                f"{len(bucket_sizes)} buckets"
+            )
+        if t.offset + t.nbytes > bucket_sizes[t.bucket]:
+            raise ManifestError(
+                f"tensor {t.name!r} spans bytes [{t.offset}, {t.offset + t.nbytes}) beyond "
+                f"bucket {t.bucket}'s {bucket_sizes[t.bucket]} bytes"
+            )
+        spans.setdefault(t.bucket, []).append((t.offset, t.offset + t.nbytes, t.name))
+    for bucket, ranges in spans.items():
+        ranges.sort()
+        for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ManifestError(f"tensors {name!r} and {other!r} overlap in bucket {bucket}")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(UpdateManifest)
+
+
+def encode_manifest(manifest: UpdateManifest) -> bytes:
+    return _encoder.encode(manifest)
+
+
+def decode_manifest(data: bytes) -> UpdateManifest:
+    """Decode msgpack bytes; anything malformed raises ``ManifestError``."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        # __post_init__ errors surface wrapped in ValidationError; keep one exception type.
+        raise ManifestError(f"malformed manifest: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ManifestError(f"manifest is not valid msgpack: {exc}") from None
+
+
+def manifest_to_json(manifest: UpdateManifest) -> bytes:
+    return msgspec.json.encode(manifest)
+
+
+def manifest_from_json(data: bytes) -> UpdateManifest:
+    try:
+        return msgspec.json.decode(data, type=UpdateManifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ManifestError(f"malformed manifest: {exc}") from None
