@@ -29,7 +29,7 @@ from colosync.handoff import Region, build_plan, compare  # noqa: E402
 from colosync.tools.bench.handoff import run_header  # noqa: E402
 from colosync.tools.handoff import parse_size  # noqa: E402
 from colosync.handoff.backends.torch_engine import TorchEngineMemory  # noqa: E402
-from colosync.handoff.errors import HandoffInvariantError  # noqa: E402
+from colosync.errors import HandoffInvariantError  # noqa: E402
 from colosync.handoff.runtime.executor import HandoffExecutor  # noqa: E402
 from colosync.handoff.backends.host_pool import HostPool  # noqa: E402
 from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator  # noqa: E402

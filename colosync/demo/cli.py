@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+
+from colosync.errors import ParityError
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,6 @@ class DemoReport:
     max_parity_err: float = 0.0
     median_sync_ms: float = 0.0
     seconds: float = 0.0
-
-
-class ParityError(RuntimeError):
-    """The engine and the trainer disagree on the probe batch after a sync."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

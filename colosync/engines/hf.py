@@ -27,7 +27,7 @@ import torch
 from colosync.errors import ManifestError, UnknownTensorError
 from colosync.wire.manifest import LoraSpec, UpdateManifest
 from colosync.sync.receiver import Receiver
-from colosync.sync.target import ModelSpec, ParamSpec, parse_lora_name
+from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, parse_lora_name
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class _PreparedFull(msgspec.Struct):
     values: list[Any]
 
 
-class HFEngine:
+class HFEngine(EngineTarget):
     requests: ClassVar[tuple[type, ...]] = (Generate, Score)
     replies: ClassVar[tuple[type, ...]] = (Generation, Scores)
 

@@ -60,7 +60,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-class ServedEngine(EngineTarget, Protocol):
+class ServedEngine(Protocol):
     """An ``EngineTarget`` that also answers its own requests (generate, score, ...)."""
 
     requests: ClassVar[tuple[type, ...]]

@@ -1,7 +1,7 @@
 """An engine that keeps its weights in persistent tensors it owns, double-buffered.
 
 What a serving engine does with an update, minus the model: it owns two sets of tensors per
-layout, serves one and lends the other to the Receiver (``StagingTarget.staging``), which
+layout, serves one and lends the other to the Receiver (``EngineTarget.staging``), which
 copies each bucket straight from the transport into it; ``commit`` swaps the two. An update
 is therefore done when its bytes are in engine-owned tensors, with no per-update allocation
 or per-tensor work on the receive path. It accepts any names, shapes and dtypes (like the
@@ -19,7 +19,7 @@ import torch
 from colosync.wire.bucket import fingerprint_tensor, typed_views
 from colosync.wire.manifest import TensorMeta, UpdateManifest
 from colosync.sync.receiver import Receiver
-from colosync.sync.target import ModelSpec, Staging
+from colosync.sync.target import EngineTarget, ModelSpec, Staging
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
@@ -58,7 +58,7 @@ def _allocate(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...], de
     return Staging([typed_views(buckets[m.bucket], [m])[0] for m in tensors], buckets)
 
 
-class SinkEngine:
+class SinkEngine(EngineTarget):
     requests: ClassVar[tuple[type, ...]] = (Digest,)
     replies: ClassVar[tuple[type, ...]] = (Digested,)
 

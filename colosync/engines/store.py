@@ -16,7 +16,7 @@ import torch
 
 from colosync.wire.manifest import UpdateManifest, dtype_name
 from colosync.sync.receiver import Receiver
-from colosync.sync.target import ModelSpec
+from colosync.sync.target import EngineTarget, ModelSpec
 
 
 class Fetch(msgspec.Struct, tag="fetch", frozen=True):
@@ -35,7 +35,7 @@ class Fetched(msgspec.Struct, tag="fetched", frozen=True):
     tensors: list[StoredTensor]
 
 
-class StoreEngine:
+class StoreEngine(EngineTarget):
     requests: ClassVar[tuple[type, ...]] = (Fetch,)
     replies: ClassVar[tuple[type, ...]] = (Fetched,)
 

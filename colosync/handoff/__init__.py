@@ -13,7 +13,7 @@ Light imports only here: torch-heavy modules load when used.
 
 from __future__ import annotations
 
-from colosync.handoff.errors import (
+from colosync.errors import (
     HandoffError,
     HandoffInvariantError,
     HostPoolExhausted,

@@ -51,14 +51,10 @@ from typing import Literal
 
 import torch
 
-from colosync.errors import ColosyncError
+from colosync.errors import ConversionError
 from colosync.wire.manifest import LoraSpec
 
 Kind = Literal["lora", "full"]
-
-
-class ConversionError(ColosyncError, ValueError):
-    """The Megatron model, the conversion context or the parallel layout disagree."""
 
 
 class Slot(enum.Enum):

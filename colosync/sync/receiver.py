@@ -6,7 +6,7 @@ superseded or timed-out update frees everything it staged. The Receiver is trans
 engine-agnostic: the engine plugs in through ``EngineTarget``, bytes come through whatever
 ``ReceiverTransport`` the sender attached.
 
-Receive paths. An engine that lends its own tensors (``StagingTarget.staging``) gets each
+Receive paths. An engine that lends its own tensors (``EngineTarget.staging``) gets each
 bucket copied straight from the transport into them: one flat copy per bucket when it lends
 per-bucket buffers too, else one fused copy (through one bucket-sized device buffer when the
 bytes arrive in host memory or in pieces); otherwise the Receiver allocates one buffer per
@@ -193,6 +193,7 @@ class Receiver:
         checked = (manifest.kind, manifest.lora)
         if checked not in layout.validated:  # an invalid update must not end the one in flight
             validate_manifest(manifest, self._spec)
+            self.target.check(manifest)
             layout.validated.add(checked)
         if self._inflight is not None:
             log.warning("receiver: update %d supersedes unfinished update %d", uid, self._inflight.update_id)
@@ -357,8 +358,7 @@ class Receiver:
         return self._bounce
 
     def _staging(self, manifest: UpdateManifest) -> tuple[Any, Any]:
-        lend = getattr(self.target, "staging", None)
-        lent = lend(manifest) if lend is not None else None
+        lent = self.target.staging(manifest)
         if lent is None:
             return None, None
         tensors, flats = (lent.tensors, lent.buckets) if isinstance(lent, Staging) else (lent, None)

@@ -9,10 +9,11 @@ tensor, the expectation and the fix.
 
 from __future__ import annotations
 
+import abc
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -42,21 +43,6 @@ class ModelSpec:
     lora_dtype: torch.dtype = torch.float32
 
 
-class EngineTarget(Protocol):
-    """The engine half of a transaction. ``prepare`` builds, ``commit`` installs."""
-
-    def model_spec(self) -> ModelSpec: ...
-
-    def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
-        """Build the update (cast, shard, assemble) without changing what is served."""
-
-    def commit(self, prepared: Any, update_id: int) -> None:
-        """Install a prepared update; must either fully succeed or change nothing."""
-
-    def discard(self, prepared: Any) -> None:
-        """Free a prepared update that will not be committed."""
-
-
 @dataclass(frozen=True)
 class Staging:
     """Engine-owned tensors to receive an update into (see ``StagingTarget``).
@@ -73,18 +59,45 @@ class Staging:
     buckets: Sequence[torch.Tensor] | None = None
 
 
-class StagingTarget(EngineTarget, Protocol):
-    """An engine that lends its own tensors to receive an update into (optional).
+class EngineTarget(abc.ABC):
+    """The engine half of a transaction. ``prepare`` builds, ``commit`` installs.
 
-    ``staging`` returns a ``Staging`` (or just the sequence of tensors), or ``None`` to let
-    the Receiver allocate. The Receiver copies each bucket straight from the transport into
-    them (with fused copies, or one flat copy per bucket when ``buckets`` is given) and
-    passes the same tensors to ``prepare`` -- no per-update allocation and no per-tensor view
-    on the receive path. An engine that double-buffers its weights (serve one set, stage
-    into the other, swap on ``commit``) gets an update in with nothing but those copies.
+    An engine adapter subclasses this and implements the four abstract methods; ``check``
+    and ``staging`` are optional refinements with safe defaults.
     """
 
-    def staging(self, manifest: UpdateManifest) -> "Staging | Sequence[torch.Tensor] | None": ...
+    @abc.abstractmethod
+    def model_spec(self) -> ModelSpec:
+        """What the engine's model accepts (names, shapes, LoRA modules, max rank)."""
+
+    @abc.abstractmethod
+    def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
+        """Build the update (cast, shard, assemble) without changing what is served."""
+
+    @abc.abstractmethod
+    def commit(self, prepared: Any, update_id: int) -> None:
+        """Install a prepared update; must either fully succeed or change nothing."""
+
+    @abc.abstractmethod
+    def discard(self, prepared: Any) -> None:
+        """Free a prepared update that will not be committed."""
+
+    def check(self, manifest: UpdateManifest) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Engine-specific rejections beyond ``validate_manifest``, before any byte moves.
+
+        Raise an ``UpdateRejected`` subclass. Called once per distinct (layout, kind, LoRA spec).
+        """
+
+    def staging(self, manifest: UpdateManifest) -> Staging | Sequence[torch.Tensor] | None:
+        """Engine-owned tensors to receive ``manifest`` into, or ``None`` to let the Receiver allocate.
+
+        The Receiver copies each bucket straight from the transport into them (with fused
+        copies, or one flat copy per bucket when ``Staging.buckets`` is given) and passes the
+        same tensors to ``prepare``: no per-update allocation and no per-tensor view on the
+        receive path. An engine that double-buffers its weights (serve one set, stage into
+        the other, swap on ``commit``) gets an update in with nothing but those copies.
+        """
+        return None
 
 
 _LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")

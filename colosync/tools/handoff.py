@@ -91,7 +91,7 @@ def register(subparsers: Any) -> None:
 def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]:
     import msgspec
 
-    from colosync.handoff.errors import SizesError
+    from colosync.errors import SizesError
     from colosync.handoff.model.simulator import HandoffSizes, load_workload, preset_names
 
     doc = None
@@ -111,7 +111,7 @@ def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | No
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from colosync.handoff.errors import HandoffError
+    from colosync.errors import HandoffError
     from colosync.handoff.model.plans import HandoffConfig
     from colosync.handoff.model.simulator import compare
 

@@ -8,7 +8,7 @@ import torch
 
 from colosync.handoff import Region
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
-from colosync.handoff.errors import HostPoolExhausted, StashError
+from colosync.errors import HostPoolExhausted, StashError
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.stash import TensorStash
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory

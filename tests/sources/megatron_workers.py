@@ -26,8 +26,10 @@ from megatron_helpers import (
     vocab_pad,
 )
 
+from colosync.sync.target import EngineTarget
 
-class RecordingTarget:
+
+class RecordingTarget(EngineTarget):
     """An EngineTarget that keeps what it was sent, for exact comparison."""
 
     def __init__(self, full: dict[str, torch.Tensor], max_lora_rank: int | None = None) -> None:
@@ -165,7 +167,7 @@ def _check_received(target: RecordingTarget, expected: dict[str, torch.Tensor], 
         # the manifest's LoraSpec is the context's, unchanged: rank and alpha survive every flush
         assert manifest.lora == ctx.lora, (manifest.lora, ctx.lora)
         for bucket in range(len(manifest.bucket_sizes)):
-            for meta in manifest.bucket_tensors(bucket):
+            for meta in manifest.layout.bucket_tensors(bucket):
                 rank_dim = meta.shape[0] if ".lora_A." in meta.name else meta.shape[1]
                 assert rank_dim == manifest.lora.rank == ctx.lora.rank, (bucket, meta.name, meta.shape)
     else:

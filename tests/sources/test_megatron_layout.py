@@ -279,7 +279,7 @@ def test_context_reaches_every_bucket_and_stream_is_exact(reference, bucket_byte
     if bucket_bytes == 64:
         assert len(manifest.bucket_sizes) == len(expected)  # a flush after every single tensor
     for bucket in range(len(manifest.bucket_sizes)):
-        for meta in manifest.bucket_tensors(bucket):
+        for meta in manifest.layout.bucket_tensors(bucket):
             if kind == "lora":  # each bucket's adapter halves have the context's rank
                 assert (meta.shape[0] if ".lora_A." in meta.name else meta.shape[1]) == ctx.lora.rank == 6
     if kind == "lora":

@@ -48,7 +48,7 @@ from colosync.sync.link import Done
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Ack, Begin, Codec, Commit, Failed, Status, TransactionRequest
 from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import ModelSpec, ParamSpec, parse_lora_name
+from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, parse_lora_name
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.lora.request import LoRARequest
@@ -103,7 +103,7 @@ class _PreparedFull:
         self.named = named
 
 
-class VllmTarget:
+class VllmTarget(EngineTarget):
     """``EngineTarget`` over one vLLM worker's model and LoRA manager."""
 
     def __init__(self, worker: Any) -> None:
@@ -373,7 +373,7 @@ class ColosyncWorkerExtension:
             log.exception("colosync: cannot set up the receiver in this worker")
             return _codecs()[1].encode(Failed.from_exception(exc))
         with state.lock:
-            return handle_bytes(state.receiver, data, (state.requests, state.replies), state.target.check)
+            return handle_bytes(state.receiver, data, (state.requests, state.replies))
 
     def colosync_info(self) -> bytes:
         state = self.colosync_state()

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from colosync.handoff.errors import HostPoolExhausted, StashError
+from colosync.errors import HostPoolExhausted, StashError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colosync.handoff.errors import StashError
+from colosync.errors import StashError
 from colosync.handoff.backends.host_pool import HostLease, HostPool
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from colosync.handoff.errors import UnsupportedOperation
+from colosync.errors import UnsupportedOperation
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from colosync.handoff.errors import SleepModeUnavailable
+from colosync.errors import SleepModeUnavailable
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport

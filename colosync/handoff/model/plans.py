@@ -29,7 +29,7 @@ from typing import Literal, get_args
 
 import msgspec
 
-from colosync.handoff.errors import PlanError
+from colosync.errors import PlanError
 from colosync.handoff.model.ops import HOST_COPIES, Op, Region, effect
 
 log = logging.getLogger(__name__)

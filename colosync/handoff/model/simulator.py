@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from colosync import WORKLOADS_DIR
-from colosync.handoff.errors import PlanError, SizesError
+from colosync.errors import PlanError, SizesError
 from colosync.handoff.model.ops import HOST_COPIES, Place, Region, effect
 from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, Plan, build_plan, start_state
 

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.handoff.errors import HandoffInvariantError
+from colosync.errors import HandoffInvariantError
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.model.ops import HOST_COPIES, Op, Place, Region, effect
 from colosync.handoff.runtime.participants import (
