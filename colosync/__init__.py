@@ -8,6 +8,7 @@ Engines, Ray, Megatron and PEFT are imported only where they are used.
 
 from pathlib import Path
 
+from colosync import _compat
 from colosync.errors import (
     ColosyncError,
     DtypeError,
@@ -26,12 +27,15 @@ from colosync.errors import (
     UpdateTimeoutError,
 )
 from colosync.sync.link import Link, LocalLink
-from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec
+from colosync.wire.bucket import TensorSpec
+from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_compat.install()  # colosync 0.1's module paths (colosync.sender, ...) keep working for one release
 
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
 """Shipped workloads: sync payloads (seed-lora, llama8b-full) and handoff presets (k3-gb300)."""
@@ -40,6 +44,6 @@ __all__ = [
     "ColosyncError", "DtypeError", "EngineError", "FingerprintMismatchError", "ManifestError", "NonFiniteError",
     "RankError", "ShapeMismatchError", "StaleUpdateError", "TransactionStateError", "TransportError",
     "TransportUnavailable", "UnknownTensorError", "UpdateRejected", "UpdateTimeoutError",
-    "Link", "LocalLink", "LoraSpec", "TensorMeta", "UpdateManifest", "Receiver", "ReceiverPolicy",
+    "Layout", "Link", "LocalLink", "LoraSpec", "TensorMeta", "TensorSpec", "UpdateManifest", "Receiver", "ReceiverPolicy",
     "Sender", "SyncReport", "peft_lora_spec", "peft_lora_tensors", "EngineTarget", "ModelSpec", "ParamSpec",
 ]

@@ -109,8 +109,8 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     import torch
     from rich.progress import Progress
 
-    from colosync.engines.hf import Generate, Generation
     from colosync.demo.models import make_tiny_llama
+    from colosync.engines.config import Generate
     from colosync.demo.rl import Task
     from colosync.sync.sender import SyncReport
 
@@ -126,12 +126,13 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     gpu = 0.5 if device == "cuda" else 0
     threads = 1 if device == "cpu" else 0  # two actors share the cores: one thread each beats contention
     try:
-        engine_actor, engine_cls, tolerance = _start_engine(engine, model_dir, device, gpu, threads, console)
-        from colosync.engines.ray_actor import RayLink, TrainerActor
+        engine_actor, tolerance = _start_engine(engine, model_dir, device, gpu, threads, console)
+        from colosync.demo.actors import TrainerActor
+        from colosync.engines.ray_actor import RayLink
 
         trainer = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
-            model_dir, engine_actor, engine_cls, transport, 8, 16.0, lr, seed, device, threads)
-        driver = RayLink(engine_actor, engine_cls)
+            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads)
+        driver = RayLink(engine_actor, engine)
         first = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
         before = driver.call(Generate(task.prompts, task.max_new_tokens))
         report = DemoReport(engine, first.transport, device, before=before.tokens, parity_tolerance=tolerance)
@@ -151,34 +152,25 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     report.max_parity_err = max((r.parity_err for r in report.steps), default=0.0)
     report.median_sync_ms = statistics.median(r.sync_ms for r in report.steps) if report.steps else 0.0
     report.seconds = time.perf_counter() - started
-    assert isinstance(before, Generation)
     return report
 
 
 def _start_engine(
     engine: str, model_dir: str, device: str, gpu: float, threads: int, console: Any
-) -> tuple[Any, str, float]:
-    """The engine actor, the class whose messages it speaks, and the parity tolerance."""
+) -> tuple[Any, float]:
+    """The engine actor (any registered engine, one actor class) and the parity tolerance."""
     import msgspec
     import ray
 
-    from colosync.engines.process import EngineConfig
+    from colosync.engines.config import EngineConfig
     from colosync.engines.ray_actor import EngineActor
 
+    config = EngineConfig(engine=engine, model_dir=model_dir, device=device, max_lora_rank=16, threads=threads)
+    actor = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config))
     if engine == "vllm":
-        from colosync.engines.vllm.ray_actor import VllmEngineActor
-
-        config = EngineConfig(engine="vllm", model_dir=model_dir, device=device, max_lora_rank=16)
-        actor = ray.remote(num_cpus=1, num_gpus=gpu)(VllmEngineActor).remote(msgspec.msgpack.encode(config), threads)
         console.print("starting vLLM inside a Ray actor (about 30 s on 2 CPU cores)...")
-        ray.get(actor.pid.remote())
-        return actor, VllmEngineActor, 1e-3
-    from colosync.engines.hf import HFEngine
-
-    config = EngineConfig(engine="hf", model_dir=model_dir, device=device, max_lora_rank=16)
-    actor = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config), threads)
     ray.get(actor.pid.remote())
-    return actor, HFEngine, 1e-5
+    return actor, 1e-3 if engine == "vllm" else 1e-5
 
 
 def _step(
@@ -189,7 +181,7 @@ def _step(
     import msgspec
     import ray
 
-    from colosync.engines.hf import Generate, Score
+    from colosync.engines.config import Generate, Score
     from colosync.sync.sender import SyncReport
 
     t0 = time.perf_counter()

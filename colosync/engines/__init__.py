@@ -14,6 +14,7 @@ _REGISTRY: dict[str, str] = {
     "hf": "colosync.engines.hf:HFEngine",
     "store": "colosync.engines.store:StoreEngine",
     "sink": "colosync.engines.sink:SinkEngine",
+    "vllm": "colosync.engines.vllm.serving:VllmServing",
 }
 
 

@@ -24,41 +24,13 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
-from colosync.errors import ManifestError, UnknownTensorError
+from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
+from colosync.engines.host import HostedTarget
+from colosync.errors import UnknownTensorError
+from colosync.sync.target import ModelSpec, ParamSpec, parse_lora_name
 from colosync.wire.manifest import LoraSpec, UpdateManifest
-from colosync.sync.receiver import Receiver
-from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, parse_lora_name
 
 log = logging.getLogger(__name__)
-
-
-class Generate(msgspec.Struct, tag="generate", frozen=True):
-    prompts: list[list[int]]
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0 or not all(self.prompts):
-            raise ManifestError("Generate needs non-empty prompts and max_new_tokens >= 0")
-
-
-class Generation(msgspec.Struct, tag="generation", frozen=True):
-    update_id: int  # the committed version that produced these tokens
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-
-
-class Score(msgspec.Struct, tag="score", frozen=True):
-    """Logprobs of given completions (the parity probe of an RL step)."""
-
-    prompts: list[list[int]]
-    completions: list[list[int]]
-
-
-class Scores(msgspec.Struct, tag="scores", frozen=True):
-    update_id: int
-    logprobs: list[list[float]]
 
 
 class _PreparedLora(msgspec.Struct):
@@ -70,7 +42,7 @@ class _PreparedFull(msgspec.Struct):
     values: list[Any]
 
 
-class HFEngine(EngineTarget):
+class HFEngine(HostedTarget):
     requests: ClassVar[tuple[type, ...]] = (Generate, Score)
     replies: ClassVar[tuple[type, ...]] = (Generation, Scores)
 
@@ -84,8 +56,8 @@ class HFEngine(EngineTarget):
         self._spec = self._build_spec()
 
     @classmethod
-    def from_config(cls, config) -> "HFEngine":  # noqa: ANN001 - EngineConfig
-        from colosync.demo.models import load_model
+    def from_config(cls, config: EngineConfig) -> HFEngine:
+        from colosync.engines.decoding import load_model
 
         return cls(load_model(config.model_dir, config.device), config.max_lora_rank)
 
@@ -107,7 +79,8 @@ class HFEngine(EngineTarget):
             params = [self._base[name] for name in tensors]
             values = [t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(params, tensors.values())]
             return _PreparedFull(params, values)
-        assert manifest.lora is not None
+        if manifest.lora is None:  # UpdateManifest guarantees it; keeps the type checker honest
+            raise UnknownTensorError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
         return _PreparedLora(self._load_adapter(f"u{manifest.update_id}", manifest.lora, tensors))
 
     def commit(self, prepared: Any, update_id: int) -> None:
@@ -175,13 +148,13 @@ class HFEngine(EngineTarget):
         return contextlib.nullcontext()
 
     # -- requests ---------------------------------------------------------------------------
-    def handle(self, request: Generate | Score, receiver: Receiver) -> Generation | Scores:
-        from colosync.demo.models import generate, score
+    def handle(self, request: Generate | Score) -> Generation | Scores:
+        from colosync.engines.decoding import generate, score
 
         with self._serving():
             if isinstance(request, Generate):
                 tokens, logprobs = generate(
                     self.model, request.prompts, request.max_new_tokens, request.temperature, request.seed
                 )
-                return Generation(receiver.committed_update_id, tokens, logprobs)
-            return Scores(receiver.committed_update_id, score(self.model, request.prompts, request.completions))
+                return Generation(self.committed_update_id, tokens, logprobs)
+            return Scores(self.committed_update_id, score(self.model, request.prompts, request.completions))

@@ -20,109 +20,33 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener, wait
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any
 
 import msgspec
 
+from colosync.engines import engine_class
+from colosync.engines.config import EngineAddress, EngineConfig
+from colosync.engines.host import build_host, codecs
 from colosync.errors import ColosyncError, EngineError
 from colosync.sync.link import PipeLink
-from colosync.wire.protocol import Ack, Begin, Codec, Failed, TransactionRequest
-from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import EngineTarget
+from colosync.wire.protocol import Begin, Failed
 
 log = logging.getLogger(__name__)
-
-
-class EngineConfig(msgspec.Struct, frozen=True):
-    """How to build an engine process (typed: it crosses a process boundary)."""
-
-    engine: str  # registry name, see colosync.engines
-    model_dir: str = ""
-    device: str = "cpu"
-    max_lora_rank: int = 64
-    reject_nonfinite: bool = True
-    verify_fingerprints: bool = True
-    timeout_s: float = 60.0
-    log_level: str = "WARNING"
-
-    def policy(self) -> ReceiverPolicy:
-        return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)
-
-
-class EngineAddress(msgspec.Struct, frozen=True):
-    """Where a running engine listens; hand it to another process to connect there."""
-
-    path: str
-    authkey: bytes
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-class ServedEngine(Protocol):
-    """An ``EngineTarget`` that also answers its own requests (generate, score, ...)."""
-
-    requests: ClassVar[tuple[type, ...]]
-    replies: ClassVar[tuple[type, ...]]
-
-    def handle(self, request: Any, receiver: Receiver) -> msgspec.Struct: ...
-
-
-def codecs(engine_cls: type) -> tuple[Codec, Codec]:
-    """Request and reply codecs for an engine class's message types."""
-    requests = (*TransactionRequest.__args__, Shutdown, *engine_cls.requests)
-    replies = (Ack, Failed, *engine_cls.replies)
-    return Codec(Union[requests]), Codec(Union[replies])  # noqa: UP007 - runtime union
-
-
-class EngineHost:
-    """An engine and its Receiver behind one bytes-in, bytes-out entry point.
-
-    The same host serves a spawned process (``EngineProcess``), a Ray actor, or anything
-    else that can move bytes; replies are ``Ack``/``Failed`` or the engine's own structs.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        from colosync.engines import engine_class
-
-        cls = engine_class(config.engine)
-        self.engine = cls.from_config(config)
-        self.receiver = Receiver(self.engine, self.engine.device, config.policy())
-        self.request_codec, self.reply_codec = codecs(cls)
-
-    def handle(self, request: msgspec.Struct) -> msgspec.Struct:
-        try:
-            self.receiver.check_timeout()  # hosts without a timer (Ray actors) still expire abandoned updates
-            if isinstance(request, TransactionRequest.__args__):
-                return self.receiver.handle(request)
-            return self.engine.handle(request, self.receiver)
-        except ColosyncError as exc:
-            return Failed.from_exception(exc)
-        except Exception as exc:
-            log.exception("engine: request %s failed", type(request).__name__)
-            return Failed.from_exception(exc)
-
-    def handle_bytes(self, data: bytes) -> bytes:
-        try:
-            request = self.request_codec.decode(data)
-        except ColosyncError as exc:
-            return self.reply_codec.encode(Failed.from_exception(exc))
-        return self.reply_codec.encode(self.handle(request))
-
-    def close(self) -> None:
-        self.receiver.close()
-
-
 def _serve(config_bytes: bytes, ready: Connection) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     try:
-        host = EngineHost(config)
+        host = build_host(config, extra_requests=(Shutdown,))
     except BaseException as exc:
         ready.send_bytes(msgspec.msgpack.encode(Failed.from_exception(exc)))
         raise
-    receiver = host.receiver
+    receiver = host.transactions
     folder = tempfile.mkdtemp(prefix="colosync-engine-")
     os.chmod(folder, 0o700)
     address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
@@ -156,21 +80,18 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
                 except (EOFError, OSError):
                     with lock:
                         clients.remove(conn)
-                    if conn is owner and receiver.in_flight is not None:
-                        receiver.abort(receiver.in_flight, "the sender disconnected mid-update")
+                    in_flight = receiver.status().in_flight_update_id
+                    if conn is owner and in_flight is not None:
+                        receiver.abort(in_flight, "the sender disconnected mid-update")
                     continue
-                try:
-                    request = host.request_codec.decode(data)
-                except ColosyncError as exc:
-                    reply: msgspec.Struct = Failed.from_exception(exc)
+                request = host.decode(data)
+                if isinstance(request, Shutdown):
+                    reply, running = receiver.status(), False
                 else:
-                    if isinstance(request, Shutdown):
-                        reply, running = receiver.status(), False
-                    else:
-                        reply = host.handle(request)
-                        if isinstance(request, Begin) and not isinstance(reply, Failed):
-                            owner = conn
-                conn.send_bytes(host.reply_codec.encode(reply))
+                    reply = host.handle(request)
+                    if isinstance(request, Begin) and not isinstance(reply, Failed):
+                        owner = conn
+                conn.send_bytes(host.encode(reply))
             if not current:
                 time.sleep(0.05)
             receiver.check_timeout()
@@ -188,8 +109,6 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
-        from colosync.engines import engine_class
-
         self.config = config
         self._cls = engine_class(config.engine)
         ctx = mp.get_context("spawn")
@@ -254,7 +173,7 @@ def connect(address: EngineAddress, engine_cls: type) -> PipeLink:
         conn = Client(address.path, family="AF_UNIX", authkey=address.authkey)
     except OSError as exc:
         raise EngineError(f"cannot reach the engine at {address.path}: {exc}; is it running?") from exc
-    return PipeLink(conn, *codecs(engine_cls))
+    return PipeLink(conn, *codecs((*engine_cls.requests, Shutdown), engine_cls.replies))
 
 
 def _try_decode(data: bytes, cls: type) -> Any:
@@ -262,3 +181,6 @@ def _try_decode(data: bytes, cls: type) -> Any:
         return msgspec.msgpack.decode(data, type=cls)
     except msgspec.ValidationError:
         return None
+
+
+__all__ = ["EngineAddress", "EngineConfig", "EngineProcess", "Shutdown", "connect"]

@@ -16,10 +16,11 @@ from typing import ClassVar
 import msgspec
 import torch
 
+from colosync.engines.config import EngineConfig
+from colosync.engines.host import HostedTarget
+from colosync.sync.target import ModelSpec, Staging
 from colosync.wire.bucket import fingerprint_tensor, typed_views
 from colosync.wire.manifest import TensorMeta, UpdateManifest
-from colosync.sync.receiver import Receiver
-from colosync.sync.target import EngineTarget, ModelSpec, Staging
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
@@ -58,7 +59,7 @@ def _allocate(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...], de
     return Staging([typed_views(buckets[m.bucket], [m])[0] for m in tensors], buckets)
 
 
-class SinkEngine(EngineTarget):
+class SinkEngine(HostedTarget):
     requests: ClassVar[tuple[type, ...]] = (Digest,)
     replies: ClassVar[tuple[type, ...]] = (Digested,)
 
@@ -69,7 +70,7 @@ class SinkEngine(EngineTarget):
         self._spare: tuple | None = None
 
     @classmethod
-    def from_config(cls, config) -> "SinkEngine":  # noqa: ANN001 - EngineConfig
+    def from_config(cls, config: EngineConfig) -> SinkEngine:
         return cls(config.device)
 
     def model_spec(self) -> ModelSpec:
@@ -97,9 +98,9 @@ class SinkEngine(EngineTarget):
         if prepared[1] is not None:
             self._spare = (prepared[0], prepared[1])
 
-    def handle(self, request: Digest, receiver: Receiver) -> Digested:
+    def handle(self, request: Digest) -> Digested:
         held = {id(t.untyped_storage()): t.untyped_storage().nbytes() for pair in (self._served, self._spare)
                 if pair is not None and pair[1] is not None for t in pair[1].tensors[:1]}
         names = list(self.tensors)
-        return Digested(receiver.committed_update_id, names, tensor_digests([self.tensors[n] for n in names]),
-                        sum(held.values()), receiver.buffer_bytes)
+        return Digested(self.committed_update_id, names, tensor_digests([self.tensors[n] for n in names]),
+                        sum(held.values()), self.receiver.buffer_bytes)

@@ -14,9 +14,10 @@ from typing import ClassVar
 import msgspec
 import torch
 
+from colosync.engines.config import EngineConfig
+from colosync.engines.host import HostedTarget
+from colosync.sync.target import ModelSpec
 from colosync.wire.manifest import UpdateManifest, dtype_name
-from colosync.sync.receiver import Receiver
-from colosync.sync.target import EngineTarget, ModelSpec
 
 
 class Fetch(msgspec.Struct, tag="fetch", frozen=True):
@@ -35,7 +36,7 @@ class Fetched(msgspec.Struct, tag="fetched", frozen=True):
     tensors: list[StoredTensor]
 
 
-class StoreEngine(EngineTarget):
+class StoreEngine(HostedTarget):
     requests: ClassVar[tuple[type, ...]] = (Fetch,)
     replies: ClassVar[tuple[type, ...]] = (Fetched,)
 
@@ -44,7 +45,7 @@ class StoreEngine(EngineTarget):
         self.tensors: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_config(cls, config) -> "StoreEngine":  # noqa: ANN001 - EngineConfig
+    def from_config(cls, config: EngineConfig) -> StoreEngine:
         return cls(config.device)
 
     def model_spec(self) -> ModelSpec:
@@ -60,11 +61,11 @@ class StoreEngine(EngineTarget):
     def discard(self, prepared: dict[str, torch.Tensor]) -> None:
         prepared.clear()
 
-    def handle(self, request: Fetch, receiver: Receiver) -> Fetched:
+    def handle(self, request: Fetch) -> Fetched:
         names = request.names if request.names is not None else list(self.tensors)
         out = []
         for name in names:
             t = self.tensors[name].contiguous().cpu()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
             out.append(StoredTensor(name, dtype_name(t.dtype), tuple(t.shape), raw))
-        return Fetched(receiver.committed_update_id, out)
+        return Fetched(self.committed_update_id, out)

@@ -76,7 +76,7 @@ def vllm_llm(vllm_model_dir):
 
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_llm):
-    from colosync.engines.vllm.worker import VllmEngine
+    from colosync.engines.vllm.client import VllmEngine
 
     return VllmEngine(vllm_llm)
 

@@ -64,7 +64,7 @@ def adapter(model_dir, rank, seed, alpha=None, base=None):
 
 
 def test_no_lora_request_before_a_lora_commit(vllm_llm):
-    from colosync.engines.vllm.worker import VllmEngine
+    from colosync.engines.vllm.client import VllmEngine
 
     fresh = VllmEngine(vllm_llm)
     assert all(w.lora_update_id == 0 for w in fresh.workers), "this test must run before any LoRA push"
@@ -277,7 +277,7 @@ def _completion(*spans):
 
 
 def test_version_of_reads_vllms_weight_version_spans():
-    from colosync.engines.vllm.worker import VllmEngine
+    from colosync.engines.vllm.client import VllmEngine
 
     assert VllmEngine.version_of(SimpleNamespace(outputs=[_completion(("7", 0, 4))])) == 7
     assert VllmEngine.version_of(_completion(("default", 0, 4))) == 0
@@ -294,17 +294,16 @@ class _FakeAsyncLLM:
         from colosync.engines.store import StoreEngine
         from colosync.sync.receiver import Receiver
 
+        from colosync.engines.host import EngineHost
+
         self.stores = [StoreEngine() for _ in range(2)]
         self.receivers = [Receiver(s) for s in self.stores]
+        self.hosts = [EngineHost(r) for r in self.receivers]  # what each vLLM worker runs
         self.calls: list[str] = []
 
     async def collective_rpc(self, method, args=()):
-        from colosync.engines.vllm.worker import _codecs, handle_bytes
-
         self.calls.append(method)
-        if not hasattr(self, "codecs"):
-            self.codecs = [_codecs() for _ in self.receivers]
-        return [handle_bytes(r, *args, codecs) for r, codecs in zip(self.receivers, self.codecs)]
+        return [host.handle_bytes(*args) for host in self.hosts]
 
     async def pause_generation(self, mode, clear_cache):
         self.calls.append(f"pause:{mode}")
@@ -321,7 +320,7 @@ class _FakeAsyncLLM:
 
 
 def test_async_link_pushes_through_the_engines_event_loop():
-    from colosync.engines.vllm.worker import AsyncVllmLink
+    from colosync.engines.vllm.client import AsyncVllmLink
 
     async def main():
         fake = _FakeAsyncLLM()
@@ -343,7 +342,7 @@ def test_async_link_pushes_through_the_engines_event_loop():
 
 
 def test_link_reports_a_missing_worker_extension():
-    from colosync.engines.vllm.worker import VllmLink
+    from colosync.engines.vllm.client import VllmLink
 
     class NoExtension:
         llm_engine = SimpleNamespace(engine_core=SimpleNamespace())

@@ -1,0 +1,27 @@
+"""vLLM as a colosync engine: the worker side, the trainer side, serving, sleep-mode memory.
+
+- ``worker``: ``ColosyncWorkerExtension`` (pass ``WORKER_EXTENSION`` as ``LLM(worker_extension_cls=...)``),
+  a Receiver in every vLLM worker, and ``VllmTarget``, the ``EngineTarget`` over vLLM's model.
+- ``client``: ``VllmEngine`` / ``AsyncVllmEngine`` and their links over ``collective_rpc``.
+- ``serving``: ``VllmServing``, Generate/Score over ``LLM.generate`` behind the common ``EngineHost``.
+- ``memory``: vLLM's sleep mode as a handoff participant.
+
+Nothing here imports vLLM at module scope. The names below are re-exported so that
+``colosync.engines.vllm.ColosyncWorkerExtension`` (the path of colosync 0.1) keeps working.
+"""
+
+from colosync.engines.vllm.client import AsyncVllmEngine, AsyncVllmLink, CommitMode, VllmEngine, VllmLink
+from colosync.engines.vllm.worker import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    IN_MEMORY_PATH,
+    WORKER_EXTENSION,
+    ColosyncWorkerExtension,
+    VllmTarget,
+    WorkerInfo,
+)
+
+__all__ = [
+    "ADAPTER_ID", "ADAPTER_NAME", "IN_MEMORY_PATH", "WORKER_EXTENSION", "AsyncVllmEngine", "AsyncVllmLink",
+    "ColosyncWorkerExtension", "CommitMode", "VllmEngine", "VllmLink", "VllmTarget", "WorkerInfo",
+]

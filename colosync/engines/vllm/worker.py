@@ -1,6 +1,6 @@
-"""Drive a real vLLM engine through colosync's transaction: LoRA and full weights, in memory.
+"""The engine side of colosync inside vLLM: a Receiver in every vLLM worker process.
 
-Why this shape:
+Why this shape (the trainer side is ``colosync.engines.vllm.client``):
 
 * vLLM runs the model in worker processes the trainer cannot reach directly. The only
   supported door is ``collective_rpc``, which runs a named method of every worker between
@@ -29,29 +29,19 @@ vLLM is imported only inside this module, and only inside functions that need it
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import msgspec
 import torch
 
-from colosync.errors import (
-    ColosyncError,
-    EngineError,
-    RankError,
-    UnknownTensorError,
-    UpdateRejected,
-)
-from colosync.sync.link import Done
-from colosync.wire.manifest import UpdateManifest
-from colosync.wire.protocol import Ack, Begin, Codec, Commit, Failed, Status, TransactionRequest
+from colosync.engines.host import EngineHost, codecs
+from colosync.errors import RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, parse_lora_name
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from vllm.lora.request import LoRARequest
+from colosync.wire.manifest import UpdateManifest
+from colosync.wire.protocol import Failed
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +54,6 @@ ADAPTER_ID = 0xC010
 
 IN_MEMORY_PATH = "colosync://in-memory"
 """``LoRARequest.lora_path`` is mandatory in vLLM; colosync adapters never live on disk."""
-
-CommitMode = Literal["wait", "keep"]
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -80,12 +68,6 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     lora_update_id: int  # the update that installed the served adapter; 0 if none
 
 
-_INFO = msgspec.msgpack.Decoder(WorkerInfo)
-
-
-def _codecs() -> tuple[Codec, Codec]:
-    """Request and reply codecs; one pair per link and per worker (codecs cache the last Begin)."""
-    return Codec(TransactionRequest), Codec(Ack | Failed)
 
 
 # =========================================================================================
@@ -216,7 +198,8 @@ class VllmTarget(EngineTarget):
         from vllm.lora.peft_helper import PEFTHelper
 
         spec = manifest.lora
-        assert spec is not None
+        if spec is None:
+            raise UpdateRejected(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
         helper = PEFTHelper.from_dict(
             {
                 "r": spec.rank,
@@ -330,32 +313,13 @@ class _WorkerState:
     def __init__(self, worker: Any) -> None:
         self.target = VllmTarget(worker)
         self.receiver = Receiver(self.target, device=_receiver_device(worker), policy=ReceiverPolicy())
-        self.requests, self.replies = _codecs()
+        self.host = EngineHost(self.receiver)  # one per worker: its codec caches the last Begin
         self.lock = threading.Lock()
 
 
 def _receiver_device(worker: Any) -> torch.device:
     device = getattr(worker, "device", None)
     return torch.device(device) if device is not None else torch.device("cpu")
-
-
-def handle_bytes(receiver: Receiver, data: bytes, codecs: tuple[Codec, Codec], check: Any = None) -> bytes:
-    """One msgpack control message in, one msgpack ``Ack`` or ``Failed`` out; never raises.
-
-    ``codecs`` is the (requests, replies) pair from ``_codecs``; ``check(manifest)`` runs on
-    ``Begin`` before the Receiver's generic validation.
-    """
-    requests, replies = codecs
-    try:
-        request = requests.decode(bytes(data))
-        if check is not None and isinstance(request, Begin):
-            check(request.manifest)
-        reply: msgspec.Struct = receiver.handle(request)
-    except Exception as exc:  # every failure travels back typed, never as a crash
-        if not isinstance(exc, ColosyncError):
-            log.exception("colosync: worker failed on a control message")
-        reply = Failed.from_exception(exc)
-    return replies.encode(reply)
 
 
 class ColosyncWorkerExtension:
@@ -371,9 +335,9 @@ class ColosyncWorkerExtension:
             state = self.colosync_state()
         except Exception as exc:
             log.exception("colosync: cannot set up the receiver in this worker")
-            return _codecs()[1].encode(Failed.from_exception(exc))
+            return codecs()[1].encode(Failed.from_exception(exc))
         with state.lock:
-            return handle_bytes(state.receiver, data, (state.requests, state.replies))
+            return state.host.handle_bytes(data)
 
     def colosync_info(self) -> bytes:
         state = self.colosync_state()
@@ -397,303 +361,5 @@ class ColosyncWorkerExtension:
         return state
 
 
-# =========================================================================================
-# Trainer side: drives the workers through collective RPC.
-# =========================================================================================
-
-
-class _VllmLinkBase:
-    """``colosync.sync.link.Link`` over ``collective_rpc``; subclasses say how to reach vLLM.
-
-    Every worker gets every message (each receives the full update; vLLM shards it) and all
-    must agree. ``Commit`` is wrapped in pause -> commit -> label version -> reset prefix
-    cache -> resume, so no request ever sees two versions.
-    """
-
-    def __init__(self, commit_mode: CommitMode = "wait") -> None:
-        if commit_mode not in ("wait", "keep"):
-            raise ValueError(f"commit_mode must be 'wait' or 'keep', got {commit_mode!r}")
-        self.commit_mode = commit_mode
-        self._requests, self._replies = _codecs()
-        self._lock = threading.Lock()
-        self._kinds: dict[int, str] = {}
-        self.lora_update_id = 0
-        self.committed_update_id = 0
-
-    # -- what subclasses provide ------------------------------------------------------------
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        raise NotImplementedError
-
-    def _pause(self) -> None:
-        raise NotImplementedError
-
-    def _resume(self) -> None:
-        raise NotImplementedError
-
-    def _label(self, version: str) -> None:
-        raise NotImplementedError
-
-    def _reset_prefix_cache(self) -> bool:
-        raise NotImplementedError
-
-    # -- Link -------------------------------------------------------------------------------
-    def submit(self, request: TransactionRequest) -> Done:
-        try:
-            with self._lock:
-                if isinstance(request, Commit):
-                    return Done(self._commit(request))
-                if isinstance(request, Begin):
-                    self._kinds[request.manifest.update_id] = request.manifest.kind
-                return Done(self._call(request))
-        except ColosyncError as exc:
-            return Done(error=exc)
-        except Exception as exc:  # vLLM itself failed: the engine is gone or broken
-            return Done(error=EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}"))
-
-    def close(self) -> None:
-        pass
-
-    def info(self) -> list[WorkerInfo]:
-        """One ``WorkerInfo`` per worker; fails with the fix if the extension is missing."""
-        try:
-            replies = self._rpc("colosync_info")
-        except Exception as exc:
-            if "colosync_info" in str(exc) or isinstance(exc, AttributeError):
-                raise EngineError(
-                    "the vLLM workers lack colosync's extension; build the engine with "
-                    f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r})"
-                ) from exc
-            raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
-        infos = [_INFO.decode(bytes(r)) for r in replies]
-        with self._lock:
-            self.committed_update_id = max(i.committed_update_id for i in infos)
-            self.lora_update_id = max(i.lora_update_id for i in infos)
-        return infos
-
-    # -- internals --------------------------------------------------------------------------
-    def _call(self, request: TransactionRequest) -> Ack:
-        data = self._requests.encode(request)
-        replies = [self._replies.decode(bytes(r)) for r in self._rpc("colosync_handle", data)]
-        if not replies:
-            raise EngineError("collective_rpc returned no worker replies; is the engine running?")
-        for reply in replies:
-            if isinstance(reply, Failed):
-                raise reply.to_exception()
-        committed = {r.committed_update_id for r in replies}
-        if len(committed) != 1:
-            raise EngineError(
-                f"vLLM workers disagree on the committed update ({sorted(committed)}); a commit "
-                "failed on some ranks: restart the engine, then push a full update"
-            )
-        ack = replies[0]
-        self.committed_update_id = ack.committed_update_id
-        return ack
-
-    def _commit(self, request: Commit) -> Ack:
-        self._pause()
-        try:
-            ack = self._call(request)
-            self._label(str(ack.committed_update_id))
-            if not self._reset_prefix_cache():
-                log.warning("colosync: vLLM did not reset its prefix cache after update %d",
-                            request.update_id)
-        finally:
-            self._resume()
-        if self._kinds.pop(request.update_id, None) == "lora":
-            self.lora_update_id = request.update_id
-        return ack
-
-
-class VllmLink(_VllmLinkBase):
-    """Link to a synchronous ``vllm.LLM``."""
-
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait") -> None:
-        super().__init__(commit_mode)
-        self.llm = llm
-        self._engine_core = llm.llm_engine.engine_core
-        self._can_pause = _serialize_client_sends(self._engine_core)
-
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self.llm.collective_rpc(method, args=args)
-
-    def _pause(self) -> None:
-        if self._can_pause:
-            self.llm.sleep(level=0, mode=self.commit_mode)
-
-    def _resume(self) -> None:
-        if self._can_pause:
-            self.llm.wake_up(tags=["scheduling"])
-
-    def _label(self, version: str) -> None:
-        self.llm.llm_engine.set_weight_version(version)
-
-    def _reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
-
-
-def _serialize_client_sends(engine_core: Any) -> bool:
-    """Make the engine client safe for one generating thread plus colosync's control calls.
-
-    ``SyncMPClient`` writes every request to one ZeroMQ socket, and ZeroMQ sockets must not
-    be used by two threads at once; an RL loop that generates in one thread while the
-    trainer pushes updates from another would do exactly that. Wrap the send in a lock
-    (idempotent). Returns whether the engine runs out of process, i.e. whether it can be
-    paused while another thread waits on it.
-    """
-    send = getattr(engine_core, "_send_input", None)
-    if send is None:  # in-process engine core: no background loop, nothing runs concurrently
-        log.info("colosync: in-process vLLM engine core; commits cannot overlap generation")
-        return False
-    if not getattr(engine_core, "_colosync_send_lock", None):
-        lock = threading.Lock()
-
-        def locked_send(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                return send(*args, **kwargs)
-
-        engine_core._send_input = locked_send
-        engine_core._colosync_send_lock = lock
-    return True
-
-
-class _AsyncBridge:
-    """Run an ``AsyncLLM`` coroutine from the Sender's thread and wait for it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def run(self, coro: Any) -> Any:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
-            coro.close()
-            raise EngineError(
-                "a colosync Sender blocks, so it cannot run on the AsyncLLM's event loop; run it "
-                "in a thread: await asyncio.to_thread(sender.push_peft, peft_model)"
-            )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-
-class AsyncVllmLink(_VllmLinkBase):
-    """Link to a ``vllm.AsyncLLM`` through its async collective RPC.
-
-    Build it on the engine's event loop (``AsyncVllmEngine.create``), use it from a thread.
-    """
-
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
-        super().__init__(commit_mode)
-        self.engine = engine
-        self._bridge = _AsyncBridge(loop)
-
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self._bridge.run(self.engine.collective_rpc(method, args=args))
-
-    def _pause(self) -> None:
-        self._bridge.run(self.engine.pause_generation(mode=self.commit_mode, clear_cache=False))
-
-    def _resume(self) -> None:
-        self._bridge.run(self.engine.resume_generation())
-
-    def _label(self, version: str) -> None:
-        self._bridge.run(self.engine.update_weight_version(version))
-
-    def _reset_prefix_cache(self) -> bool:
-        return bool(self._bridge.run(self.engine.reset_prefix_cache()))
-
-
-# -- the user-facing clients --------------------------------------------------------------
-
-
-class _EngineClient:
-    link: _VllmLinkBase
-
-    @property
-    def committed_update_id(self) -> int:
-        """The update the engine serves (asks the workers)."""
-        return self.link.submit(Status()).wait().committed_update_id
-
-    @property
-    def lora_request(self) -> LoRARequest:
-        """The request to generate with the committed colosync adapter (stable across versions)."""
-        from vllm.lora.request import LoRARequest
-
-        if not self.link.lora_update_id:
-            raise EngineError(
-                "no colosync LoRA has been committed to this engine yet; push one "
-                "(Sender(engine.link).push_peft(model)) before generating with it"
-            )
-        return LoRARequest(lora_name=ADAPTER_NAME, lora_int_id=ADAPTER_ID, lora_path=IN_MEMORY_PATH)
-
-    @staticmethod
-    def version_of(output: Any) -> int:
-        """The ``update_id`` whose weights produced ``output`` (a RequestOutput or CompletionOutput).
-
-        0 means the engine's initial weights. Raises ``EngineError`` if the tokens came from
-        more than one version (only possible with ``commit_mode="keep"``).
-        """
-        completions = getattr(output, "outputs", None) or [output]
-        versions: set[int] = set()
-        for completion in completions:
-            spans = getattr(completion, "weight_versions", None)
-            if spans is None:
-                raise EngineError(
-                    "this output carries no weight_versions; pass the finished output that "
-                    "LLM.generate returned (vLLM sets them on the final output only)"
-                )
-            for span in spans:
-                versions.add(0 if span.version == "default" else int(span.version))
-        if len(versions) > 1:
-            raise EngineError(f"output tokens came from several updates {sorted(versions)}")
-        return versions.pop() if versions else 0
-
-
-class VllmEngine(_EngineClient):
-    """Trainer-side handle on a ``vllm.LLM`` built with ``worker_extension_cls=WORKER_EXTENSION``.
-
-    >>> engine = VllmEngine(llm)
-    >>> Sender(engine.link, transport="shm").push_peft(peft_model)
-    >>> outs = llm.generate(prompts, params, lora_request=engine.lora_request)
-    >>> engine.version_of(outs[0])   # the update_id the tokens came from
-    """
-
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait") -> None:
-        self.llm = llm
-        self.link = VllmLink(llm, commit_mode)
-        self.workers = self.link.info()
-        log.info("colosync: attached to vLLM with %d worker(s), committed update %d",
-                 len(self.workers), self.link.committed_update_id)
-
-
-class AsyncVllmEngine(_EngineClient):
-    """Trainer-side handle on a ``vllm.AsyncLLM``; push from a thread:
-
-    >>> engine = await AsyncVllmEngine.create(async_llm)
-    >>> await asyncio.to_thread(Sender(engine.link).push_peft, peft_model)
-    """
-
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
-        self.engine = engine
-        self.link = AsyncVllmLink(engine, loop, commit_mode)
-        self.workers: list[WorkerInfo] = []
-
-    @classmethod
-    async def create(cls, engine: Any, commit_mode: CommitMode = "wait") -> AsyncVllmEngine:
-        client = cls(engine, asyncio.get_running_loop(), commit_mode)
-        client.workers = await asyncio.to_thread(client.link.info)
-        return client
-
-
-__all__ = [
-    "ADAPTER_ID",
-    "ADAPTER_NAME",
-    "AsyncVllmEngine",
-    "AsyncVllmLink",
-    "ColosyncWorkerExtension",
-    "VllmEngine",
-    "VllmLink",
-    "VllmTarget",
-    "WORKER_EXTENSION",
-    "WorkerInfo",
-]
+__all__ = ["ADAPTER_ID", "ADAPTER_NAME", "ColosyncWorkerExtension", "IN_MEMORY_PATH", "VllmTarget",
+           "WORKER_EXTENSION", "WorkerInfo"]

@@ -1,0 +1,72 @@
+"""What crosses the boundary into an engine, typed: how to build it and what to ask it.
+
+An engine is built in another process (a spawned child, a Ray actor), so its configuration
+is a msgpack struct rather than keyword arguments; the serving requests every RL loop needs
+(sample completions, score given completions) are structs too, so the hf engine, the vLLM
+engine and any future one answer the same messages and a driver can swap them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from colosync.errors import ManifestError
+from colosync.sync.receiver import ReceiverPolicy
+
+
+class EngineConfig(msgspec.Struct, frozen=True):
+    """How to build an engine (typed: it crosses a process boundary)."""
+
+    engine: str  # registry name, see colosync.engines.names()
+    model_dir: str = ""
+    device: str = "cpu"
+    max_lora_rank: int = 64
+    reject_nonfinite: bool = True
+    verify_fingerprints: bool = True
+    timeout_s: float = 60.0
+    log_level: str = "WARNING"
+    threads: int = 0  # CPU threads for the engine's compute; 0 leaves the library default
+
+    def policy(self) -> ReceiverPolicy:
+        return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)
+
+
+class EngineAddress(msgspec.Struct, frozen=True):
+    """Where a running engine listens; hand it to another process to connect there."""
+
+    path: str
+    authkey: bytes
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True):
+    """Continue each prompt: greedy at temperature 0, else sampled from ``seed``."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or not all(self.prompts):
+            raise ManifestError("Generate needs non-empty prompts and max_new_tokens >= 0")
+
+
+class Generation(msgspec.Struct, tag="generation", frozen=True):
+    update_id: int  # the committed version that produced these tokens
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class Score(msgspec.Struct, tag="score", frozen=True):
+    """Logprobs of given completions (the parity probe of an RL step)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+
+
+class Scores(msgspec.Struct, tag="scores", frozen=True):
+    update_id: int
+    logprobs: list[list[float]]
+
+
+__all__ = ["EngineAddress", "EngineConfig", "Generate", "Generation", "Score", "Scores"]

@@ -1,0 +1,105 @@
+"""A vLLM ``LLM`` as a served engine: the same requests and the same host as the hf engine.
+
+An RL loop needs two things from its engine besides updates: sample a group of completions
+and score fixed completions (the parity probe). Serving them here, behind ``EngineHost``,
+lets one driver talk to vLLM or the hf engine through one link, in an ``EngineProcess`` or a
+Ray actor alike. Transaction messages go on to the Receivers in vLLM's workers through
+``VllmEngine.link``; every reply carries the update id vLLM says produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar
+
+from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
+from colosync.engines.host import LinkTransactions
+from colosync.errors import EngineError, ManifestError
+
+log = logging.getLogger(__name__)
+
+
+class VllmServing:
+    """``ServedEngine`` over a ``vllm.LLM`` built with colosync's worker extension and LoRA on."""
+
+    requests: ClassVar[tuple[type, ...]] = (Generate, Score)
+    replies: ClassVar[tuple[type, ...]] = (Generation, Scores)
+
+    def __init__(self, llm: Any) -> None:
+        from colosync.engines.vllm.client import VllmEngine
+
+        self.llm = llm
+        self.engine = VllmEngine(llm)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> VllmServing:
+        """A small fp32 engine for local models (the demo's and the tests'), one adapter slot."""
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM's CPU backend reserves most of RAM
+        if config.threads:
+            cpus = sorted(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[: config.threads])))
+        from vllm import LLM
+
+        from colosync.engines.vllm.worker import WORKER_EXTENSION
+
+        llm = LLM(
+            model=config.model_dir, skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+            max_lora_rank=config.max_lora_rank, max_loras=1, enforce_eager=True, max_model_len=256,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        return cls(llm)
+
+    def transactions(self, policy: Any) -> LinkTransactions:
+        # The workers' Receivers run with their own default policy; vLLM's collective RPC
+        # reaches them only through the worker extension.
+        return LinkTransactions(self.engine.link)
+
+    def handle(self, request: Generate | Score) -> Generation | Scores:
+        if isinstance(request, Generate):
+            return self._generate(request)
+        if isinstance(request, Score):
+            return self._score(request)
+        raise ManifestError(f"the vLLM engine serves Generate and Score, not {type(request).__name__}")
+
+    def _lora(self) -> Any:
+        return self.engine.lora_request if self.engine.link.lora_update_id else None
+
+    def _generate(self, request: Generate) -> Generation:
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in request.prompts]
+        params = [
+            SamplingParams(temperature=request.temperature, seed=request.seed + i if request.temperature else None,
+                           max_tokens=request.max_new_tokens, min_tokens=request.max_new_tokens, logprobs=0,
+                           detokenize=False)
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora(), use_tqdm=False)
+        tokens, logprobs, versions = [], [], set()
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens.append(list(completion.token_ids))
+            logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)])
+            versions.add(self.engine.version_of(out))
+        return Generation(_one_version(versions), tokens, logprobs)
+
+    def _score(self, request: Score) -> Scores:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        result, versions = [], set()
+        for prompt, completion in zip(request.prompts, request.completions, strict=True):
+            # One sequence per call: vLLM 0.32's CPU LoRA path fails on batched prompt logprobs.
+            [out] = self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt) + list(completion)), params,
+                                      lora_request=self._lora(), use_tqdm=False)
+            steps = out.prompt_logprobs[len(prompt) :]
+            result.append([step[t].logprob for step, t in zip(steps, completion, strict=True)])
+            versions.add(self.engine.version_of(out))
+        return Scores(_one_version(versions), result)
+
+
+def _one_version(versions: set[int]) -> int:
+    if len(versions) != 1:
+        raise EngineError(f"one request batch ran on several updates {sorted(versions)}")
+    return versions.pop()
