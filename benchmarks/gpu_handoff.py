@@ -25,17 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from colosync.handoff import Region, build_plan, compare  # noqa: E402
-from colosync.tools.bench.handoff import run_header  # noqa: E402
-from colosync.tools.handoff import parse_size  # noqa: E402
-from colosync.handoff.backends.torch_engine import TorchEngineMemory  # noqa: E402
 from colosync.errors import HandoffInvariantError  # noqa: E402
-from colosync.handoff.runtime.executor import HandoffExecutor  # noqa: E402
+from colosync.handoff import HandoffSizes, Region, build_plan, compare  # noqa: E402
 from colosync.handoff.backends.host_pool import HostPool  # noqa: E402
-from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator  # noqa: E402
-from colosync.handoff.model.simulator import HandoffSizes  # noqa: E402
-from colosync.tools.bench.synthetic import engine_state, trainer_state  # noqa: E402
+from colosync.handoff.backends.torch_engine import TorchEngineMemory  # noqa: E402
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory  # noqa: E402
+from colosync.handoff.runtime.executor import HandoffExecutor  # noqa: E402
+from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator  # noqa: E402
+from colosync.tools.bench.machine import run_header  # noqa: E402
+from colosync.tools.bench.synthetic import engine_state, trainer_state  # noqa: E402
+from colosync.tools.handoff import parse_size  # noqa: E402
 
 
 def main() -> int:
@@ -93,7 +92,9 @@ def main() -> int:
         error = str(exc)
         result = executor.result
     run_s = time.perf_counter() - t0
-    assert result is not None
+    if result is None:  # the error came before the first step: nothing was measured
+        print(f"[{args.mode}] no step ran: {error}", file=sys.stderr)
+        return 1
 
     sizes = {**engine.region_bytes(), **trainer.region_bytes()}
     mirror, backup = sizes[Region.ENGINE_MIRROR], sizes[Region.TRAINER_BACKUP]
@@ -115,8 +116,7 @@ def main() -> int:
     else:
         criteria = {"host_holds_both_copies_at_peak": result.host_peak >= 0.95 * (mirror + backup)}
     criteria["no_invariant_violations"] = not result.violations and error is None
-    out = run_header(sys.argv[1:]) | {
-        "command": " ".join(["python", "benchmarks/gpu_handoff.py", *sys.argv[1:]]),
+    out = run_header(sys.argv[1:], prog=("python", "benchmarks/gpu_handoff.py"), device=device) | {
         "mode": args.mode,
         "device": str(device),
         "sizes_bytes": {r.value: n for r, n in sizes.items()},

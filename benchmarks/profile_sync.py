@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from colosync.errors import EngineError  # noqa: E402
+
 
 def _serve(conn, device: str, profile_path: str) -> None:  # noqa: ANN001
     from colosync.engines.process import EngineConfig, EngineHost
@@ -42,6 +44,12 @@ def _serve(conn, device: str, profile_path: str) -> None:  # noqa: ANN001
     prof.disable()
     prof.dump_stats(profile_path)
     conn.send_bytes(b"bye")
+
+
+def _expect(conn, want: bytes) -> None:  # noqa: ANN001 - a Connection
+    got = conn.recv_bytes()
+    if got != want:
+        raise EngineError(f"the profiled sink engine answered {got[:60]!r}, expected {want!r}")
 
 
 def _top(stats_source, n: int = 22, key: str = "tottime") -> str:
@@ -65,7 +73,7 @@ def main() -> None:
 
     import torch
 
-    from colosync.tools.bench.sync import load_workload, make_tensors
+    from colosync.tools.bench.sync import load_sync_workload, make_tensors
     from colosync.engines.process import codecs
     from colosync.engines.sink import SinkEngine
     from colosync.sync.link import LocalLink, PipeLink
@@ -76,7 +84,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    wl, specs, lora = load_workload(args.workload)
+    wl, specs, lora = load_sync_workload(args.workload)
     named = make_tensors(specs, device)
     bucket = args.bucket_mb << 20
     print(f"== {wl.name}: {wl.tensors} tensors, {wl.bytes / 1e6:.1f} MB, {args.transport}, bucket {args.bucket_mb} MiB")
@@ -86,7 +94,7 @@ def main() -> None:
     prof_path = "/tmp/colosync-engine.prof"
     proc = ctx.Process(target=_serve, args=(child, str(device), prof_path), daemon=True)
     proc.start()
-    assert parent.recv_bytes() == b"ready"
+    _expect(parent, b"ready")
     link = PipeLink(parent, *codecs(SinkEngine))
 
     rtt = []
@@ -100,7 +108,7 @@ def main() -> None:
     for _ in range(5):
         sender.push(named, lora=lora)
     parent.send_bytes(b"profile-on")  # no request is pending on the link: talk to the loop directly
-    assert parent.recv_bytes() == b"ok"
+    _expect(parent, b"ok")
     prof = cProfile.Profile()
     times, reports = [], []
     for _ in range(args.updates):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the sync benchmarks quoted in benchmarks/README_SECTION.md on one CUDA GPU (an H200 there):
+# Reproduce the sync benchmarks quoted in benchmarks/README.md on one CUDA GPU (an H200 there):
 #   OUT=benchmarks/h200 bash benchmarks/run_h200.sh
 # Writes run.log (all text output), probe.json, seed-lora*.json, llama8b-full*.json, gpu-tests.txt.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tuning runs behind the defaults: profiles and a few geometries (see README_SECTION.md).
+# Tuning runs behind the defaults: profiles and a few geometries (see benchmarks/README.md).
 set -u
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-200}

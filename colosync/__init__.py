@@ -6,8 +6,6 @@ engine. Engine side: ``Receiver`` driving an ``EngineTarget``. Bytes move throug
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
 
-from pathlib import Path
-
 from colosync import _compat
 from colosync.errors import (
     ColosyncError,
@@ -32,16 +30,15 @@ from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_t
 from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec
 from colosync.wire.bucket import TensorSpec
 from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
+from colosync.workloads import WORKLOADS_DIR
 
 __version__ = "0.2.0"
 
 _compat.install()  # colosync 0.1's module paths (colosync.sender, ...) keep working for one release
 
-WORKLOADS_DIR = Path(__file__).parent / "workloads"
-"""Shipped workloads: sync payloads (seed-lora, llama8b-full) and handoff presets (k3-gb300)."""
 
 __all__ = [
-    "ColosyncError", "DtypeError", "EngineError", "FingerprintMismatchError", "ManifestError", "NonFiniteError",
+    "WORKLOADS_DIR", "ColosyncError", "DtypeError", "EngineError", "FingerprintMismatchError", "ManifestError", "NonFiniteError",
     "RankError", "ShapeMismatchError", "StaleUpdateError", "TransactionStateError", "TransportError",
     "TransportUnavailable", "UnknownTensorError", "UpdateRejected", "UpdateTimeoutError",
     "Layout", "Link", "LocalLink", "LoraSpec", "TensorMeta", "TensorSpec", "UpdateManifest", "Receiver", "ReceiverPolicy",

@@ -16,7 +16,7 @@ import types
 import warnings
 from typing import Any
 
-MOVED: dict[str, str] = {
+MOVED: dict[str, str | tuple[str, ...]] = {
     "colosync.manifest": "colosync.wire.manifest",
     "colosync.protocol": "colosync.wire.protocol",
     "colosync.bucket": "colosync.wire.bucket",
@@ -40,7 +40,7 @@ MOVED: dict[str, str] = {
     "colosync.handoff.sampling": "colosync.handoff.runtime.sampling",
     "colosync.handoff.torch_backend": "colosync.handoff.backends.torch_trainer",
     "colosync.handoff.tms_backend": "colosync.handoff.backends.tms_trainer",
-    "colosync.handoff.engine_memory": "colosync.handoff.backends.torch_engine",
+    "colosync.handoff.engine_memory": ("colosync.handoff.backends.torch_engine", "colosync.engines.vllm.memory"),
     "colosync.handoff.host_pool": "colosync.handoff.backends.host_pool",
     "colosync.handoff.stash": "colosync.handoff.backends.stash",
     "colosync.handoff.errors": "colosync.errors",
@@ -48,26 +48,28 @@ MOVED: dict[str, str] = {
 
 
 class _Forwarder(types.ModuleType):
-    def __init__(self, name: str, target: str) -> None:
-        super().__init__(name, f"moved to {target}")
-        self.__target = target
-
-    def _module(self) -> types.ModuleType:
-        return importlib.import_module(self.__target)
+    def __init__(self, name: str, targets: tuple[str, ...]) -> None:
+        super().__init__(name, f"moved to {', '.join(targets)}")
+        self.__targets = targets
 
     def __getattr__(self, attr: str) -> Any:
-        return getattr(self._module(), attr)
+        for target in self.__targets:
+            module = importlib.import_module(target)
+            if hasattr(module, attr):
+                return getattr(module, attr)
+        raise AttributeError(f"module {self.__name__!r} (moved to {', '.join(self.__targets)}) has no {attr!r}")
 
     def __dir__(self) -> list[str]:
-        return dir(self._module())
+        return sorted({name for target in self.__targets for name in dir(importlib.import_module(target))})
 
 
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        target = MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {target}; the old path works until colosync 0.3",
+        moved = MOVED[spec.name]
+        targets = (moved,) if isinstance(moved, str) else moved
+        warnings.warn(f"{spec.name} moved to {' and '.join(targets)}; the old path works until colosync 0.3",
                       DeprecationWarning, stacklevel=2)
-        return _Forwarder(spec.name, target)
+        return _Forwarder(spec.name, targets)
 
     def exec_module(self, module: types.ModuleType) -> None:
         pass

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from colosync.wire.bucket import typed_views
-from colosync.wire.manifest import TensorMeta
+from colosync.wire.bucket import fingerprint, typed_views
+from colosync.wire.manifest import TensorMeta, UpdateManifest
+from colosync.wire.protocol import Stage
 
 
 def pack_into(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
@@ -15,3 +16,64 @@ def pack_into(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequen
     if metas:
         with torch.no_grad():
             torch._foreach_copy_(typed_views(buffer, metas), list(tensors))
+
+
+def pack_bucket(manifest: UpdateManifest, bucket: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Bucket ``bucket`` of ``manifest`` as a sender packs it: a zeroed CPU ``uint8`` buffer, tensors in place."""
+    metas = manifest.layout.bucket_tensors(bucket)
+    buffer = torch.zeros(manifest.bucket_sizes[bucket], dtype=torch.uint8)
+    pack_into(buffer, metas, [tensors[m.name] for m in metas])
+    return buffer
+
+
+def stage_bytes(receiver, transport, update_id: int, bucket: int, data: torch.Tensor, chunk: int | None = None,
+                fingerprint_delta: int = 0, send_fingerprint: bool = True) -> None:
+    """Stage ``data`` as bucket ``bucket``, ``chunk`` bytes at a time through the transport's slots in turn.
+
+    The last chunk carries the fingerprint of ``data`` (plus ``fingerprint_delta``, to fake
+    corruption in transit), or none at all without ``send_fingerprint``.
+    """
+    size = data.numel()
+    chunk = chunk or max(size, 1)
+    sent = fingerprint(data) + fingerprint_delta if send_fingerprint else None
+    for i, offset in enumerate(range(0, max(size, 1), chunk)):
+        piece = data[offset : offset + chunk]
+        slot = i % transport.num_slots
+        transport.slot(slot)[: piece.numel()].copy_(piece)
+        last = offset + piece.numel() == size
+        receiver.handle(Stage(update_id, bucket, offset, piece.numel(), slot, sent if last else None))
+
+
+# -- handoff: small real participants (tens of MB of CPU tensors) ----------------------------
+# Sizes are multiples of the pool chunk so pool rounding stays small, and large enough
+# (>= 4 MiB per tensor, ~50 MB per host copy) that host-memory sampling sees them clearly above
+# interpreter noise, yet small enough to stay fast on two shared cores.
+
+MiB = 1 << 20
+CHUNK = 4 * MiB
+
+
+def make_trainer_state(layers: int = 4, width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``layers`` x 4 MiB fp32 weights, their grads and AdamW state (48 MiB backed up + 16 MiB grads)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    return model, opt
+
+
+def make_engine_state(layers: int = 3, width: int = 2048, kv_tensors: int = 2) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """``layers`` x 16 MiB weights (48 MiB) and ``kv_tensors`` x 16 MiB KV cache."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kv = [torch.ones(16 * MiB // 4) for _ in range(kv_tensors)]
+    return model, kv
+
+
+def cpu_host_pool(**kw):  # noqa: ANN003, ANN201 - a colosync.handoff.backends.host_pool.HostPool
+    """An unpinned ``HostPool`` of ``CHUNK``-byte chunks (``chunk_bytes=`` overrides)."""
+    from colosync.handoff.backends.host_pool import HostPool
+
+    return HostPool(chunk_bytes=kw.pop("chunk_bytes", CHUNK), pin="none", **kw)

@@ -4,11 +4,19 @@ When trainer and engine share GPUs, every rollout->train and train->rollout swit
 gigabytes between device and host, and the *order* of those moves decides the peaks: the
 usual order briefly holds two large host copies (the engine's weight mirror and the
 trainer's backup), which is what overflowed a 898 GiB host budget on GB300 nodes. Here a
-handoff is a plan (``plans``), simulated before a job (``simulator``), executed against
-real participants with invariants checked while it runs (``executor``), on fast backends
-(``torch_backend``, ``engine_memory``, optional ``tms_backend``).
+handoff is a plan, simulated before a job and executed against real participants with
+invariants checked while it runs. Three layers, each importing only the ones before it:
 
-Light imports only here: torch-heavy modules load when used.
+* ``model`` -- pure planning (its modules import no torch): the regions and operations (``ops``), the plans
+  (``plans``) and the simulator that predicts a plan's peaks for given sizes (``simulator``);
+* ``runtime`` -- the participant interfaces (``participants``), the ``executor`` that runs a
+  plan and checks it, and host/device ``sampling``;
+* ``backends`` -- participants on real memory: ``torch_trainer``, ``torch_engine``, the
+  optional ``tms_trainer`` (torch_memory_saver), and their ``host_pool`` and ``stash``.
+
+vLLM's sleep mode is a participant too, but it depends on vLLM, so it lives with the engines
+(``colosync.engines.vllm.memory``). Light imports only here: torch-heavy modules load when
+used.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from colosync.errors import (
     UnsupportedOperation,
 )
 from colosync.handoff.model.ops import Op, Place, Region
-from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport, TrainerMemory
 from colosync.handoff.model.plans import (
     HandoffConfig,
     Phase,
@@ -39,13 +46,14 @@ from colosync.handoff.model.simulator import (
     HandoffSizes,
     Simulation,
     compare,
-    load_workload,
+    load_handoff_sizes,
     simulate,
 )
+from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport, TrainerMemory
 
 __all__ = [
     "Comparison", "EngineMemory", "Footprint", "HandoffConfig", "HandoffError", "HandoffInvariantError",
     "HandoffSizes", "HostPoolExhausted", "Op", "OpReport", "Phase", "PhaseName", "Place", "Plan", "PlanError",
     "Region", "Simulation", "SizesError", "SleepModeUnavailable", "StashError", "Step", "TrainerMemory",
-    "UnsupportedOperation", "build_plan", "compare", "load_workload", "simulate", "validate_plan",
+    "UnsupportedOperation", "build_plan", "compare", "load_handoff_sizes", "simulate", "validate_plan",
 ]

@@ -89,29 +89,31 @@ def register(subparsers: Any) -> None:
 
 
 def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]:
+    """The sizes to simulate and the workload document they came from (None for flags only)."""
     import msgspec
 
+    from colosync import workloads
     from colosync.errors import SizesError
-    from colosync.handoff.model.simulator import HandoffSizes, load_workload, preset_names
+    from colosync.handoff.model.simulator import HandoffSizes
 
-    doc = None
     overrides = {field: getattr(args, flag) for flag, field in _SIZE_FLAGS.items() if getattr(args, flag) is not None}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.workload:
-        sizes, doc = load_workload(args.workload)
+        doc = workloads.load(args.workload, kind="handoff")
+        sizes = HandoffSizes.from_workload(doc)
         if overrides:
             sizes = msgspec.structs.replace(sizes, **overrides)
         return sizes, doc
     need = ["engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes"]
     missing = [f"--{k.replace('_', '-')}" for k, v in _SIZE_FLAGS.items() if v in need and v not in overrides]
     if missing:
-        raise SizesError(f"give --workload (presets: {preset_names()}) or all of {missing}")
+        raise SizesError(f"give --workload (presets: {workloads.names('handoff')}) or all of {missing}")
     return HandoffSizes(**overrides), None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from colosync.errors import HandoffError
+    from colosync.errors import ConfigError, HandoffError
     from colosync.handoff.model.plans import HandoffConfig
     from colosync.handoff.model.simulator import compare
 
@@ -120,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         modes = ("cpu", "gpu") if args.mode == "both" else (args.mode,)
         config = HandoffConfig(engine_weight_backup=not args.no_engine_backup)
         result = compare(sizes, cycles=args.cycles, modes=modes, config=config)
-    except HandoffError as exc:
+    except (ConfigError, HandoffError) as exc:
         print(f"colosync plan: {exc}", file=sys.stderr)
         return 2
     if args.plot:
@@ -268,16 +270,21 @@ def cmd_handoff_bench(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from colosync.errors import ColosyncError
     from colosync.tools.bench.handoff import run_bench
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size or (40 * 10**9 if device.startswith("cuda") else 256 * 10**6)
     console = Console(stderr=True)
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    with console.status("handoff-bench") as status:
-        result = run_bench(size_bytes=size, tensors=args.tensors, device=device, dtype=getattr(torch, args.dtype),
-                           repeats=args.repeats, backends=backends, chunk_bytes=args.chunk,
-                           progress=lambda m: status.update(m), argv=_bench_argv(args, size, device))
+    try:
+        with console.status("handoff-bench") as status:
+            result = run_bench(size_bytes=size, tensors=args.tensors, device=device, dtype=getattr(torch, args.dtype),
+                               repeats=args.repeats, backends=backends, chunk_bytes=args.chunk,
+                               progress=lambda m: status.update(m), argv=_bench_argv(args, size, device))
+    except ColosyncError as exc:
+        print(f"colosync handoff-bench: {exc}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

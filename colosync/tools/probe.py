@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from colosync.tools.subcommand import add_subcommand
+
 _SYS_PIDFD_GETFD = 438  # the same number on x86-64 and arm64
 
 
@@ -298,11 +300,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "probe",
+    parser = add_subcommand(
+        subparsers, "probe", doc=__doc__,
         help="test what this machine allows (CUDA IPC, pinned shm, pidfd_getfd, ...) and which transport auto picks",
-        description=__doc__.split("\n\n", 1)[1].replace("``", "'"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--device", default=None, help="device the trainer's tensors live on (default: cuda if present, else cpu)")
     parser.add_argument("--no-spawn", action="store_true", help="skip the two-process CUDA IPC test (no child process)")

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from colosync.errors import HostPoolExhausted, StashError
+from colosync.errors import ConfigError, HostPoolExhausted, StashError
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ class HostPool:
         name: str = "colosync-host-pool",
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096 (a page), got {chunk_bytes}; "
+                              f"e.g. HostPool(chunk_bytes=1 << 30)")
         self._auto = pin == "auto"
         if pin == "auto":
             pin = "register" if torch.cuda.is_available() else "none"

@@ -28,34 +28,29 @@ import torch
 
 from colosync.errors import StashError
 from colosync.handoff.backends.host_pool import HostLease, HostPool
+from colosync.handoff.runtime.participants import COUNTERS, OpReport
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
 
 
-@dataclass
-class StashStats:
-    noop: bool = False
-    seconds: float = 0.0
-    bytes_to_host: int = 0
-    bytes_to_device: int = 0
-    host_allocated: int = 0
-    host_freed: int = 0
-    device_allocated: int = 0
-    device_freed: int = 0
-    device_retained: int = 0
+class StashStats(OpReport, frozen=True, kw_only=True):
+    """What one offload or restore of a stash did: an ``OpReport`` of the stash (its owner and
+    ``offload``/``restore``), plus how many tensors it moved in how many copies."""
+
+    participant: str = ""
+    op: str = ""
     tensors: int = 0
     copies: int = 0
-    note: str = ""
 
-    def __iadd__(self, other: StashStats) -> StashStats:
-        for name in ("seconds", "bytes_to_host", "bytes_to_device", "host_allocated", "host_freed",
-                     "device_allocated", "device_freed", "device_retained", "tensors", "copies"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.noop = self.noop and other.noop
-        self.note = "; ".join(n for n in (self.note, other.note) if n)
-        return self
+    def __add__(self, other: StashStats) -> StashStats:
+        """Both operations as one (a participant that offloads two stashes in one step)."""
+        summed = {name: getattr(self, name) + getattr(other, name)
+                  for name in (*COUNTERS, "seconds", "tensors", "copies")}
+        return StashStats(participant=self.participant or other.participant, op=self.op or other.op,
+                          noop=self.noop and other.noop, note="; ".join(n for n in (self.note, other.note) if n),
+                          **summed)
 
 
 @dataclass
@@ -141,21 +136,19 @@ class TensorStash:
             return StashStats(noop=True, note=f"{self.owner}: already offloaded")
         if backup and self.pool is None:
             raise StashError(f"{self.owner}: backup=True needs a HostPool; pass pool=HostPool(...)")
+        pool = self.pool if backup else None
         mine = self._collect(tensors)
         if not mine:
             return StashStats(noop=True, note=f"{self.owner}: nothing resident to offload")
         regions, storages = self._group(mine)
         total = self._layout(regions)
-        stats = StashStats(tensors=len(mine))
         lease = None
-        if backup and total:
-            assert self.pool is not None
-            lease = self.pool.lease(self.owner, total)
-            stats.host_allocated = lease.nbytes
-            copies = self._coalesce(regions)
-            self._copy_out(lease, copies, storages)
-            stats.copies = len(copies)
-            stats.bytes_to_host = sum(r.nbytes for r in regions)  # data bytes (copies also span alignment gaps)
+        copies = 0
+        if pool is not None and total:
+            lease = pool.lease(self.owner, total)
+            merged = self._coalesce(regions)
+            self._copy_out(lease, merged, storages)
+            copies = len(merged)
             self._sync()
         self._lease = lease
         if on_peak is not None:
@@ -184,10 +177,13 @@ class TensorStash:
         self._flat_ptr = None
         if self.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        stats.device_freed = freed
-        stats.device_retained = retained
-        stats.seconds = time.perf_counter() - started
-        return stats
+        return StashStats(
+            participant=self.owner, op="offload", seconds=time.perf_counter() - started, tensors=len(mine),
+            copies=copies, host_allocated=lease.nbytes if lease is not None else 0,
+            # data bytes (the copies also span the alignment gaps between regions)
+            bytes_to_host=sum(r.nbytes for r in regions) if lease is not None else 0,
+            device_freed=freed, device_retained=retained,
+        )
 
     def _copy_out(self, lease: HostLease, copies: list[tuple[int, int, int]],
                   storages: dict[int, tuple[torch.UntypedStorage, int]]) -> None:
@@ -275,15 +271,11 @@ class TensorStash:
         started = time.perf_counter()
         if self._regions is None:
             return StashStats(noop=True, note=f"{self.owner}: already resident")
-        regions, total = self._regions, self._total
-        stats = StashStats(tensors=sum(len(r.views) for r in regions))
+        regions, total, lease = self._regions, self._total, self._lease
         self.inflight_bytes = total
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        stats.device_allocated = total
-        if self._lease is not None:
-            self._lease.read(0, flat)
-            stats.bytes_to_device = sum(r.nbytes for r in regions)
-            stats.copies = self._lease.pool.chunks_for(total)
+        if lease is not None:
+            lease.read(0, flat)
         elif zero:
             flat.zero_()
         self._sync()
@@ -299,9 +291,8 @@ class TensorStash:
                 v.tensor.data = torch.empty(0, dtype=v.dtype, device=self.device).set_(
                     storage, byte // itemsize, v.size, v.stride)
         self.inflight_bytes = 0
-        if self._lease is not None:
-            stats.host_freed = self._lease.nbytes
-            self._lease.release()
+        if lease is not None:
+            lease.release()
             self._lease = None
         self._flat_ptr = flat.data_ptr()
         self._flat_nbytes = total
@@ -310,8 +301,13 @@ class TensorStash:
         self._regions = None
         self._total = 0
         del flat, storage
-        stats.seconds = time.perf_counter() - started
-        return stats
+        return StashStats(
+            participant=self.owner, op="restore", seconds=time.perf_counter() - started,
+            tensors=sum(len(r.views) for r in regions), device_allocated=total,
+            bytes_to_device=sum(r.nbytes for r in regions) if lease is not None else 0,
+            copies=lease.pool.chunks_for(total) if lease is not None else 0,
+            host_freed=lease.nbytes if lease is not None else 0,
+        )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

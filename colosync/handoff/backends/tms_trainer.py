@@ -15,19 +15,17 @@ Allocate the trainer's state inside ``state_region()`` and its gradient buffer i
 from __future__ import annotations
 
 import importlib.util
-import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import torch
 
 from colosync.errors import UnsupportedOperation
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
-
-log = logging.getLogger(__name__)
 
 
 def tms_available() -> tuple[bool, str]:
@@ -165,5 +163,4 @@ class TmsTrainerMemory(TrainerMemory):
         before = torch.cuda.memory_reserved(self.device)
         report = self._timed("clear_memory", torch.cuda.empty_cache)
         self._cache_held = False
-        return OpReport(**{**{n: getattr(report, n) for n in report.__struct_fields__},
-                           "device_freed": max(0, before - torch.cuda.memory_reserved(self.device))})
+        return msgspec.structs.replace(report, device_freed=max(0, before - torch.cuda.memory_reserved(self.device)))

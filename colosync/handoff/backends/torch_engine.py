@@ -1,38 +1,29 @@
-"""Engine-side memory operations: a generic torch engine, and vLLM's sleep mode.
+"""Engine-side memory operations of any engine that is a ``torch.nn.Module`` plus KV-cache tensors.
 
 The handoff needs four operations from an engine — drop the KV cache, release the weights
 (with or without a host mirror), bring them back — as *separate* steps, because the ``gpu``
 peak-device order puts the trainer's wake-up between dropping the KV cache and releasing
 the weights.
 
-* ``TorchEngineMemory`` works on any engine that is a ``torch.nn.Module`` plus KV-cache
-  tensors (colosync's ``hf`` reference engine, or a custom one): weights and KV cache are
-  two ``TensorStash``es, so the same tensor objects are valid after each onload and the
-  mirror lives in a ``HostPool`` that the trainer can share.
-* ``VllmEngineMemory`` maps the four operations onto vLLM's sleep mode: ``offload_kv`` is
-  ``sleep(level=0)`` + ``release_kv_cache_memory()`` (the ``kv_cache`` tag),
-  ``offload_weights(backup)`` is ``sleep(level=1)`` (weights to CPU) or ``sleep(level=2)``
-  (discarded), ``onload_weights``/``onload_kv`` are ``wake_up(tags=["weights"])`` /
-  ``wake_up(tags=["kv_cache"])``. vLLM implements sleep mode on CUDA (and ROCm/XPU) only:
-  its CPU backend has none, which ``vllm_sleep_support`` reports instead of failing later.
+``TorchEngineMemory`` works on colosync's ``hf`` reference engine or a custom one: weights
+and KV cache are two ``TensorStash``es, so the same tensor objects are valid after each
+onload and the mirror lives in a ``HostPool`` that the trainer can share. (vLLM's sleep mode
+is the other engine backend; it depends on vLLM, so it lives with the engines:
+``colosync.engines.vllm.memory``.)
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from colosync.errors import SleepModeUnavailable
 from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.stash import TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport
-from colosync.handoff.backends.stash import StashStats, TensorStash, storage_bytes
-
-log = logging.getLogger(__name__)
 
 KVSource = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor] | None
 
@@ -133,185 +124,44 @@ class TorchEngineMemory(EngineMemory):
         if stats.noop:
             return self._noop("offload_kv", "no KV cache allocated")
         self._return_to_device()
-        return self._from_stats("offload_kv", started, stats)
+        return self._report_moves("offload_kv", started, stats)
 
     def offload_weights(self, backup: bool) -> OpReport:
         if self._weights.offloaded:
             return self._noop("offload_weights", "weights already off the device")
         started = time.perf_counter()
         self._weight_bytes = storage_bytes(self.weight_tensors())
-        stats = self._weights.offload(self.weight_tensors(), backup=backup, on_peak=lambda: self._notify("peak"))
+        stats = self._weights.offload(self.weight_tensors(), backup=backup, on_peak=self._peak)
         if not backup:
             self.weights_valid = False
         self._return_to_device()
         note = "" if backup else "released without a mirror: weights come back as zeros until the next weight sync"
-        return self._from_stats("offload_weights", started, stats, note=note)
+        return self._report_moves("offload_weights", started, stats, note=note)
 
     def onload_weights(self) -> OpReport:
-        if not self._weights.offloaded:
-            return self._noop("onload_weights", "weights already resident")
-        started = time.perf_counter()
         from_mirror = self._weights.backed_up
-        stats = self._weights.restore(zero=True, on_peak=lambda: self._notify("peak"))
-        if self.after_weights_onload is not None:
-            self.after_weights_onload(from_mirror)
-        note = "" if from_mirror else "no mirror: weights are zeros; sync them from the trainer before generating"
-        return self._from_stats("onload_weights", started, stats, note=note)
+        hook = self.after_weights_onload
+        return self._onload(
+            "onload_weights", self._weights, "weights already resident", peak=True,
+            after=None if hook is None else (lambda: hook(from_mirror)),
+            note="" if from_mirror else "no mirror: weights are zeros; sync them from the trainer before generating",
+        )
 
     def onload_kv(self) -> OpReport:
-        if not self._kv.offloaded:
-            return self._noop("onload_kv", "KV cache already allocated")
+        return self._onload("onload_kv", self._kv, "KV cache already allocated", after=self.after_kv_onload)
+
+    def _onload(self, op: str, stash: TensorStash, resident: str, *, after: Callable[[], None] | None,
+                peak: bool = False, note: str = "") -> OpReport:
+        """Restore ``stash`` (from its mirror, else zeros), then run the engine's ``after`` hook."""
+        if not stash.offloaded:
+            return self._noop(op, resident)
         started = time.perf_counter()
-        stats = self._kv.restore(zero=True)
-        if self.after_kv_onload is not None:
-            self.after_kv_onload()
-        return self._from_stats("onload_kv", started, stats)
+        stats = stash.restore(zero=True, on_peak=self._peak if peak else None)
+        if after is not None:
+            after()
+        return self._report_moves(op, started, stats, note=note)
 
     def _return_to_device(self) -> None:
         """Give freed blocks back to the device: the next user may be another process (the trainer)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _from_stats(self, op: str, started: float, stats: StashStats, note: str = "") -> OpReport:
-        return self._report(
-            op, started,
-            host_allocated=stats.host_allocated, host_freed=stats.host_freed,
-            device_allocated=stats.device_allocated, device_freed=stats.device_freed,
-            bytes_to_host=stats.bytes_to_host, bytes_to_device=stats.bytes_to_device,
-            device_retained=stats.device_retained, note="; ".join(n for n in (stats.note, note) if n),
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# vLLM
-
-
-def vllm_sleep_support(llm: Any | None = None) -> tuple[bool, str]:
-    """Whether vLLM's sleep mode can serve the handoff here, and why not.
-
-    Needs ``vllm`` importable, a platform with sleep mode (CUDA/ROCm/XPU; vLLM's CPU backend
-    has none), and — when ``llm`` is given — an engine started with ``enable_sleep_mode=True``.
-    """
-    try:
-        from vllm.platforms import current_platform
-    except ImportError as exc:
-        return False, f"vllm is not importable ({exc}); install vllm to use VllmEngineMemory"
-    if not current_platform.is_sleep_mode_available():
-        kind = "CPU" if current_platform.is_cpu() else str(getattr(current_platform, "device_name", "this"))
-        return False, (
-            f"vLLM's {kind} backend has no sleep mode (Platform.is_sleep_mode_available() is False), so it "
-            f"cannot release and restore its weights or KV cache; run the engine with engine_offload=False "
-            f"(peak_device='cpu'), or on CUDA with enable_sleep_mode=True"
-        )
-    if llm is not None:
-        config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
-        if config is not None and not getattr(config, "enable_sleep_mode", False):
-            return False, "this LLM was started without sleep mode; create it with LLM(..., enable_sleep_mode=True)"
-    return True, "ok"
-
-
-class VllmEngineMemory(EngineMemory):
-    """Engine memory of a ``vllm.LLM`` through its sleep mode (CUDA only).
-
-    Byte counts are measured: device bytes as the change of free GPU memory
-    (``torch.cuda.mem_get_info``, which sees the engine's worker processes), host bytes as
-    the change of the process tree's resident memory.
-    """
-
-    def __init__(self, llm: Any, *, name: str = "engine", device: int | None = None) -> None:
-        super().__init__(name)
-        ok, why = vllm_sleep_support(llm)
-        if not ok:
-            raise SleepModeUnavailable(why)
-        self.llm = llm
-        self.device = torch.device("cuda", device if device is not None else torch.cuda.current_device())
-        self._kv_held = True
-        self._weights_held = True
-        self._mirror = False
-        self._sizes = {Region.ENGINE_WEIGHTS: 0, Region.ENGINE_MIRROR: 0, Region.ENGINE_KV: 0}
-        self._mirror_host_bytes = 0
-
-    def regions(self) -> frozenset[Region]:
-        held = set()
-        if self._weights_held:
-            held.add(Region.ENGINE_WEIGHTS)
-        elif self._mirror:
-            held.add(Region.ENGINE_MIRROR)
-        if self._kv_held:
-            held.add(Region.ENGINE_KV)
-        return frozenset(held)
-
-    def region_bytes(self) -> dict[Region, int]:
-        return dict(self._sizes)
-
-    def footprint(self) -> Footprint:
-        device = (self._sizes[Region.ENGINE_WEIGHTS] if self._weights_held else 0) + (
-            self._sizes[Region.ENGINE_KV] if self._kv_held else 0)
-        return Footprint(self._mirror_host_bytes if self._mirror else 0, device, "cuda")
-
-    def _measure(self, op: str, call: Callable[[], object]) -> OpReport:
-        from colosync.handoff.runtime.sampling import HostSampler
-
-        host = HostSampler()
-        started = time.perf_counter()
-        free0, _ = torch.cuda.mem_get_info(self.device)
-        h0 = host.sample().value
-        call()
-        free1, _ = torch.cuda.mem_get_info(self.device)
-        h1 = host.sample().value
-        return self._report(
-            op, started,
-            device_freed=max(0, free1 - free0), device_allocated=max(0, free0 - free1),
-            host_allocated=max(0, h1 - h0), host_freed=max(0, h0 - h1),
-        )
-
-    def offload_kv(self) -> OpReport:
-        if not self._kv_held:
-            return self._noop("offload_kv", "KV cache already released")
-        if not self._weights_held:
-            self._kv_held = False
-            return self._noop("offload_kv", "released together with the weights by sleep()")
-
-        def call() -> None:
-            self.llm.sleep(level=0)
-            self.llm.release_kv_cache_memory()
-
-        report = self._measure("offload_kv", call)
-        self._sizes[Region.ENGINE_KV] = report.device_freed
-        self._kv_held = False
-        return report
-
-    def offload_weights(self, backup: bool) -> OpReport:
-        if not self._weights_held:
-            return self._noop("offload_weights", "weights already released")
-        report = self._measure("offload_weights", lambda: self.llm.sleep(level=1 if backup else 2))
-        kv_too = self._kv_held
-        self._weights_held = False
-        self._kv_held = False
-        self._mirror = backup
-        weights = report.device_freed - (self._sizes[Region.ENGINE_KV] if kv_too else 0)
-        self._sizes[Region.ENGINE_WEIGHTS] = self._sizes[Region.ENGINE_MIRROR] = max(0, weights)
-        self._mirror_host_bytes = report.host_allocated if backup else 0
-        if kv_too:
-            report = OpReport(**{**_fields(report), "note": "vLLM's sleep() released the KV cache as well"})
-        return report
-
-    def onload_weights(self) -> OpReport:
-        if self._weights_held:
-            return self._noop("onload_weights", "weights already resident")
-        report = self._measure("onload_weights", lambda: self.llm.wake_up(tags=["weights"]))
-        self._weights_held = True
-        self._mirror = False
-        return report
-
-    def onload_kv(self) -> OpReport:
-        if self._kv_held:
-            return self._noop("onload_kv", "KV cache already allocated")
-        report = self._measure("onload_kv", lambda: self.llm.wake_up(tags=["kv_cache"]))
-        self._kv_held = True
-        self._sizes[Region.ENGINE_KV] = max(self._sizes[Region.ENGINE_KV], report.device_allocated)
-        return report
-
-
-def _fields(report: OpReport) -> dict[str, Any]:
-    return {name: getattr(report, name) for name in report.__struct_fields__}

@@ -13,18 +13,16 @@ freed without a backup and comes back zeroed.
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from colosync.errors import ConfigError
 from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.stash import StashStats, TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
-from colosync.handoff.backends.stash import StashStats, TensorStash, storage_bytes
-
-log = logging.getLogger(__name__)
 
 Loader = Callable[[], "tuple[torch.nn.Module, torch.optim.Optimizer | None]"]
 
@@ -55,7 +53,7 @@ class TorchTrainerMemory(TrainerMemory):
     ) -> None:
         super().__init__(name)
         if model is None and loader is None:
-            raise ValueError("give the trainer's model (already loaded) or a loader that builds it")
+            raise ConfigError("give the trainer's model (already loaded) or a loader that builds it")
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
@@ -71,18 +69,23 @@ class TorchTrainerMemory(TrainerMemory):
         self._last_state_bytes = 0
         self._last_grad_bytes = 0
         if model is not None:
-            self._bind()
+            self._bind(model)
 
     # -- tensors ----------------------------------------------------------------------------
-    def _bind(self) -> None:
-        assert self.model is not None
+    def _bind(self, model: torch.nn.Module) -> None:
         if self._device is None:
-            first = next(iter(self.model.parameters()), None)
+            first = next(iter(model.parameters()), None)
             self._device = first.device if first is not None else torch.device("cpu")
         self._state = TensorStash(f"{self.name}.state", self._device, self.pool)
         self._grads = TensorStash(f"{self.name}.grads", self._device, self.pool)
         self._last_state_bytes = storage_bytes(self.state_tensors())
         self._last_grad_bytes = storage_bytes(self.grad_tensors())
+
+    def _stashes(self) -> tuple[TensorStash, TensorStash] | None:
+        """The state and grad stashes once the model is loaded, else None."""
+        if self._state is None or self._grads is None:
+            return None
+        return self._state, self._grads
 
     @property
     def device(self) -> torch.device:
@@ -90,15 +93,17 @@ class TorchTrainerMemory(TrainerMemory):
 
     @property
     def loaded(self) -> bool:
-        return self.model is not None
+        return self._stashes() is not None
 
     @property
     def asleep(self) -> bool:
         return self._state is not None and self._state.offloaded
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
-        """Parameters, buffers, optimizer state (and ``extra_state``) — backed up on sleep."""
-        assert self.model is not None
+        """Parameters, buffers, optimizer state (and ``extra_state``) — backed up on sleep.
+        Nothing before the model is loaded."""
+        if self.model is None:
+            return
         yield from self.model.parameters()
         yield from self.model.buffers()
         if self.optimizer is not None:
@@ -118,7 +123,8 @@ class TorchTrainerMemory(TrainerMemory):
         yield from self._grad_tensors_raw()
 
     def _grad_tensors_raw(self) -> Iterator[torch.Tensor]:
-        assert self.model is not None
+        if self.model is None:
+            return
         for p in self.model.parameters():
             if p.grad is not None:
                 yield p.grad
@@ -127,13 +133,14 @@ class TorchTrainerMemory(TrainerMemory):
 
     # -- participant surface ----------------------------------------------------------------
     def regions(self) -> frozenset[Region]:
-        if not self.loaded:
+        stashes = self._stashes()
+        if stashes is None:
             return frozenset()
-        assert self._state is not None and self._grads is not None
-        if self._state.offloaded:
+        state, grads = stashes
+        if state.offloaded:
             return frozenset({Region.TRAINER_BACKUP})
         held = {Region.TRAINER_STATE}
-        if not self._grads.offloaded and any(True for _ in self.grad_tensors()):
+        if not grads.offloaded and any(True for _ in self.grad_tensors()):
             held.add(Region.TRAINER_GRADS)
         if self._cache_held:
             held.add(Region.TRAINER_CACHE)
@@ -150,14 +157,15 @@ class TorchTrainerMemory(TrainerMemory):
         }
 
     def footprint(self) -> Footprint:
-        if not self.loaded:
+        stashes = self._stashes()
+        if stashes is None:
             return Footprint(0, 0, self.device.type)
-        assert self._state is not None and self._grads is not None
-        host = self._state.host_bytes + self._grads.host_bytes
-        device = self._state.inflight_bytes + self._grads.inflight_bytes
-        if not self._state.offloaded:
+        state, grads = stashes
+        host = state.host_bytes + grads.host_bytes
+        device = state.inflight_bytes + grads.inflight_bytes
+        if not state.offloaded:
             device += storage_bytes(self.state_tensors())
-        if not self._grads.offloaded:
+        if not grads.offloaded:
             device += storage_bytes(self.grad_tensors())
         return Footprint(host, device, self.device.type)
 
@@ -165,57 +173,61 @@ class TorchTrainerMemory(TrainerMemory):
     def load(self) -> OpReport:
         if self.loaded:
             return self._noop("load", "already loaded")
-        assert self.loader is not None
+        if self.loader is None:
+            raise ConfigError(f"{self.name}: no model to load; pass loader= (a callable that builds the model "
+                              f"and optimizer on the device) to TorchTrainerMemory")
         started = time.perf_counter()
         self.model, self.optimizer = self.loader()
         self._cache_held = True
-        self._bind()
+        self._bind(self.model)
         return self._report("load", started, device_allocated=self._last_state_bytes + self._last_grad_bytes)
 
     def sleep(self) -> OpReport:
-        if not self.loaded:
+        stashes = self._stashes()
+        if stashes is None:
             return self._noop("sleep", "not loaded")
-        assert self._state is not None and self._grads is not None
-        if self._state.offloaded:
+        state, grads = stashes
+        if state.offloaded:
             return self._noop("sleep", "already asleep")
         started = time.perf_counter()
         self._last_state_bytes = storage_bytes(self.state_tensors())
         stats = StashStats(noop=True)
-        if not self._grads.offloaded:
+        if not grads.offloaded:
             self._last_grad_bytes = storage_bytes(self.grad_tensors())
-            stats += self._grads.offload(list(self.grad_tensors()), backup=False)
-        stats += self._state.offload(list(self.state_tensors()), backup=True, on_peak=lambda: self._notify("peak"))
+            stats += grads.offload(list(self.grad_tensors()), backup=False)
+        stats += state.offload(list(self.state_tensors()), backup=True, on_peak=self._peak)
         freed_cache = self._empty_cache()
         self._cache_held = False
-        return self._from_stats("sleep", started, stats, extra_device_freed=freed_cache)
+        return self._report_moves("sleep", started, stats, device_freed=freed_cache)
 
     def wake_up(self) -> OpReport:
-        if not self.loaded:
+        stashes = self._stashes()
+        if stashes is None:
             return self._noop("wake_up", "not loaded")
-        assert self._state is not None and self._grads is not None
-        if not self._state.offloaded:
+        state, grads = stashes
+        if not state.offloaded:
             return self._noop("wake_up", "already awake")
         started = time.perf_counter()
-        stats = self._state.restore(on_peak=lambda: self._notify("peak"))
-        stats += self._grads.restore(zero=True)
+        stats = state.restore(on_peak=self._peak) + grads.restore(zero=True)
         self._cache_held = True
-        return self._from_stats("wake_up", started, stats)
+        return self._report_moves("wake_up", started, stats)
 
     def offload_grad_buffer(self) -> OpReport:
-        if not self.loaded:
+        stashes = self._stashes()
+        if stashes is None:
             return self._noop("offload_grad_buffer", "not loaded")
-        assert self._state is not None and self._grads is not None
-        if self._state.offloaded or self._grads.offloaded:
+        state, grads = stashes
+        if state.offloaded or grads.offloaded:
             return self._noop("offload_grad_buffer", "grad buffer already off the device")
         if self.backup_grads:
             return self._noop("offload_grad_buffer", "backup_grads=True: gradients are backed up with the state at sleep")
         started = time.perf_counter()
         self._last_grad_bytes = storage_bytes(self.grad_tensors())
-        stats = self._grads.offload(list(self.grad_tensors()), backup=False)
+        stats = grads.offload(list(self.grad_tensors()), backup=False)
         if stats.noop:
             return self._noop("offload_grad_buffer", "no gradients allocated")
         freed_cache = self._empty_cache()
-        return self._from_stats("offload_grad_buffer", started, stats, extra_device_freed=freed_cache)
+        return self._report_moves("offload_grad_buffer", started, stats, device_freed=freed_cache)
 
     def clear_memory(self) -> OpReport:
         if not self.loaded or not self._cache_held:
@@ -233,12 +245,3 @@ class TorchTrainerMemory(TrainerMemory):
         before = torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
         return max(0, before - torch.cuda.memory_reserved(self.device))
-
-    def _from_stats(self, op: str, started: float, stats: StashStats, *, extra_device_freed: int = 0) -> OpReport:
-        return self._report(
-            op, started,
-            host_allocated=stats.host_allocated, host_freed=stats.host_freed,
-            device_allocated=stats.device_allocated, device_freed=stats.device_freed + extra_device_freed,
-            bytes_to_host=stats.bytes_to_host, bytes_to_device=stats.bytes_to_device,
-            device_retained=stats.device_retained, note=stats.note,
-        )

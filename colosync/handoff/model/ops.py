@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from colosync.errors import PlanError
+
 
 class Place(StrEnum):
     HOST = "host"
@@ -116,8 +118,9 @@ def effect(op: Op, held: frozenset[Region], backup: bool = True) -> tuple[frozen
         free = {R.TRAINER_GRADS} & held
     elif op is Op.TRAINER_CLEAR_MEMORY:
         free = {R.TRAINER_CACHE} & held
-    else:  # pragma: no cover - exhaustive over Op
-        raise ValueError(f"unknown op {op!r}")
+    else:
+        raise PlanError(f"unknown operation {op!r}; pass one of the Op members {[o.value for o in Op]} "
+                        f"(Op(name) converts a name)")
     return frozenset(alloc), frozenset(free)
 
 

@@ -22,7 +22,6 @@ validates a custom one.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Literal, get_args
@@ -32,7 +31,6 @@ import msgspec
 from colosync.errors import PlanError
 from colosync.handoff.model.ops import HOST_COPIES, Op, Region, effect
 
-log = logging.getLogger(__name__)
 
 PeakDevice = Literal["cpu", "gpu"]
 PEAK_DEVICES: tuple[str, ...] = get_args(PeakDevice)
@@ -141,7 +139,7 @@ class Plan(msgspec.Struct, frozen=True):
                     ops.append((Op(op), bool(backup)))
                 except ValueError:
                     raise PlanError(f"unknown operation {op!r}; known: {[o.value for o in Op]}") from None
-            built.append(_phase(config, name, ops, {}))
+            built.append(_phase(config, name, ops))
         plan = cls(config=config, phases=tuple(built))
         validate_plan(plan)
         return plan
@@ -203,13 +201,13 @@ _WHY: dict[tuple[str, PhaseName, Op], str] = {
 }
 
 
-def _phase(config: HandoffConfig, name: PhaseName, ops: Sequence[tuple[Op, bool]], why: Mapping[Op, str]) -> Phase:
+def _phase(config: HandoffConfig, name: PhaseName, ops: Sequence[tuple[Op, bool]]) -> Phase:
     held = start_state(config, name)
     start = held
     steps = []
     for op, backup in ops:
         alloc, free = effect(op, held, backup)
-        text = why.get(op) or _WHY.get((config.peak_device, name, op), "")
+        text = _WHY.get((config.peak_device, name, op), "")
         steps.append(Step(op=op, why=text, backup=backup, allocates=_ordered(alloc), frees=_ordered(free)))
         held = (held | alloc) - free
     return Phase(name=name, start=_ordered(start), steps=tuple(steps), end=_ordered(held))
@@ -247,9 +245,9 @@ def build_plan(config: HandoffConfig | None = None, **options: object) -> Plan:
     plan = Plan(
         config=config,
         phases=(
-            _phase(config, PhaseName.INIT, init, {}),
-            _phase(config, PhaseName.ROLLOUT_TO_TRAIN, r2t, {}),
-            _phase(config, PhaseName.TRAIN_TO_ROLLOUT, t2r, {}),
+            _phase(config, PhaseName.INIT, init),
+            _phase(config, PhaseName.ROLLOUT_TO_TRAIN, r2t),
+            _phase(config, PhaseName.TRAIN_TO_ROLLOUT, t2r),
         ),
     )
     validate_plan(plan)

@@ -13,22 +13,41 @@ are per GPU.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from colosync import WORKLOADS_DIR
+from colosync import workloads
 from colosync.errors import PlanError, SizesError
 from colosync.handoff.model.ops import HOST_COPIES, Place, Region, effect
 from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, Plan, build_plan, start_state
 
-log = logging.getLogger(__name__)
 R = Region
+
+# Workload JSON keys (``*_per_gpu`` as in workloads/k3-gb300-handoff.json) -> HandoffSizes fields.
+_WORKLOAD_KEYS: dict[str, str] = {
+    "engine_weight_mirror_bytes_per_gpu": "engine_weight_bytes",
+    "engine_weight_bytes_per_gpu": "engine_weight_bytes",
+    "engine_kv_and_graph_bytes_per_gpu": "engine_kv_bytes",
+    "engine_kv_bytes_per_gpu": "engine_kv_bytes",
+    "trainer_resident_bytes_per_gpu": "trainer_resident_bytes",
+    "trainer_backup_bytes_per_gpu": "trainer_backup_bytes",
+    "trainer_grad_buffer_bytes_per_gpu": "trainer_grad_buffer_bytes",
+    "trainer_load_host_bytes_per_gpu": "trainer_load_host_bytes",
+    "host_baseline_bytes": "host_baseline_bytes",
+    "host_budget_bytes": "host_budget_bytes",
+    "gpu_bytes": "gpu_bytes",
+    "gpus_per_node": "gpus_per_node",
+    "device_baseline_bytes": "device_baseline_bytes",
+    "name": "name",
+    "description": "description",
+}
+_IGNORED_KEYS = {"expect"}
+
+_REQUIRED = ("engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes")
+"""The sizes every workload must give (per GPU, in bytes)."""
 
 
 class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,8 +78,7 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
     description: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes",
-                     "host_baseline_bytes", "trainer_grad_buffer_bytes", "device_baseline_bytes"):
+        for name in (*_REQUIRED, "host_baseline_bytes", "trainer_grad_buffer_bytes", "device_baseline_bytes"):
             if getattr(self, name) < 0:
                 raise SizesError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_node < 1:
@@ -71,6 +89,25 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
                 f"({self.trainer_grad_buffer_bytes}) exceed trainer_resident_bytes ({self.trainer_resident_bytes}): "
                 f"the backup is a copy of part of what the awake trainer holds; raise trainer_resident_bytes"
             )
+
+    @classmethod
+    def from_workload(cls, doc: Mapping[str, Any]) -> HandoffSizes:
+        """Read a handoff workload document (see ``workloads/k3-gb300-handoff.json``): its
+        ``*_per_gpu`` keys or the field names themselves; ``expect`` is ignored."""
+        kwargs: dict[str, Any] = {}
+        for key, value in doc.items():
+            if key in _IGNORED_KEYS:
+                continue
+            if key in _WORKLOAD_KEYS:
+                kwargs[_WORKLOAD_KEYS[key]] = value
+            elif key in cls.__struct_fields__:
+                kwargs[key] = value
+            else:
+                raise SizesError(f"unknown workload key {key!r}; known: {sorted(set(_WORKLOAD_KEYS) | _IGNORED_KEYS)}")
+        missing = [f for f in _REQUIRED if f not in kwargs]
+        if missing:
+            raise SizesError(f"workload lacks {missing}; give them (per GPU, in bytes)")
+        return cls(**kwargs)
 
     def region_bytes(self) -> dict[Region, int]:
         """Bytes of each region on one GPU (device regions) or for one GPU's share (host)."""
@@ -95,71 +132,12 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
         return self.device_baseline_bytes + sum(sizes[r] for r in held if r.place is Place.DEVICE)
 
 
-# Workload JSON keys (``*_per_gpu`` as in workloads/k3-gb300-handoff.json) -> HandoffSizes fields.
-_WORKLOAD_KEYS: dict[str, str] = {
-    "engine_weight_mirror_bytes_per_gpu": "engine_weight_bytes",
-    "engine_weight_bytes_per_gpu": "engine_weight_bytes",
-    "engine_kv_and_graph_bytes_per_gpu": "engine_kv_bytes",
-    "engine_kv_bytes_per_gpu": "engine_kv_bytes",
-    "trainer_resident_bytes_per_gpu": "trainer_resident_bytes",
-    "trainer_backup_bytes_per_gpu": "trainer_backup_bytes",
-    "trainer_grad_buffer_bytes_per_gpu": "trainer_grad_buffer_bytes",
-    "trainer_load_host_bytes_per_gpu": "trainer_load_host_bytes",
-    "host_baseline_bytes": "host_baseline_bytes",
-    "host_budget_bytes": "host_budget_bytes",
-    "gpu_bytes": "gpu_bytes",
-    "gpus_per_node": "gpus_per_node",
-    "device_baseline_bytes": "device_baseline_bytes",
-    "name": "name",
-    "description": "description",
-}
-_IGNORED_KEYS = {"expect"}
+def load_handoff_sizes(name_or_path: str) -> HandoffSizes:
+    """The sizes of a handoff workload: a preset name (``k3-gb300``) or a workload JSON file.
 
-
-def sizes_from_workload(doc: Mapping[str, Any]) -> HandoffSizes:
-    """Read a handoff workload document (see ``workloads/k3-gb300-handoff.json``)."""
-    kwargs: dict[str, Any] = {}
-    for key, value in doc.items():
-        if key in _IGNORED_KEYS:
-            continue
-        if key in _WORKLOAD_KEYS:
-            kwargs[_WORKLOAD_KEYS[key]] = value
-        elif key in HandoffSizes.__struct_fields__:
-            kwargs[key] = value
-        else:
-            raise SizesError(f"unknown workload key {key!r}; known: {sorted(set(_WORKLOAD_KEYS) | {'expect'})}")
-    missing = [f for f in ("engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes")
-               if f not in kwargs]
-    if missing:
-        raise SizesError(f"workload lacks {missing}; give them (per GPU, in bytes)")
-    return HandoffSizes(**kwargs)
-
-
-def preset_names() -> list[str]:
-    """Handoff workloads shipped inside the package (``--workload NAME``)."""
-    names = []
-    for entry in WORKLOADS_DIR.iterdir():
-        if entry.name.endswith("-handoff.json"):
-            names.append(entry.name.removesuffix("-handoff.json"))
-    return sorted(names)
-
-
-def load_workload(name_or_path: str) -> tuple[HandoffSizes, dict[str, Any]]:
-    """A workload by preset name (``k3-gb300``) or path; returns the sizes and the raw document."""
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        doc = json.loads(path.read_text())
-    else:
-        for candidate in (f"{name_or_path}-handoff.json", f"{name_or_path}.json"):
-            entry = WORKLOADS_DIR / candidate
-            if entry.is_file():
-                doc = json.loads(entry.read_text())
-                break
-        else:
-            raise SizesError(
-                f"no handoff workload {name_or_path!r}: not a .json file and not a preset; presets: {preset_names()}"
-            )
-    return sizes_from_workload(doc), doc
+    ``colosync.workloads.load(name_or_path, kind="handoff")`` gives the raw document (with its
+    ``expect`` block, which the sizes do not keep)."""
+    return HandoffSizes.from_workload(workloads.load(name_or_path, kind="handoff"))
 
 
 @dataclass(frozen=True)

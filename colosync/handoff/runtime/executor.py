@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.errors import HandoffInvariantError
+from colosync.errors import HandoffError, HandoffInvariantError
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.model.ops import HOST_COPIES, Op, Place, Region, effect
 from colosync.handoff.runtime.participants import (
@@ -44,7 +44,7 @@ from colosync.handoff.runtime.participants import (
     OpReport,
     TrainerMemory,
 )
-from colosync.handoff.model.plans import Phase, PhaseName, Plan, _names, start_state
+from colosync.handoff.model.plans import Phase, PhaseName, Plan, Step, _names, start_state
 from colosync.handoff.runtime.sampling import DeviceSampler, HostSampler, PeakWatcher, trim_host_allocator
 
 log = logging.getLogger(__name__)
@@ -180,28 +180,40 @@ class MatchesPlan(Invariant):
         return None
 
 
-class HostBudget(Invariant):
+class _Limit(Invariant):
+    """One measured figure stays at or below an absolute limit."""
+
+    what = "bytes"
+    limit = "limit"
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+
+    def measured(self, m: Measurement) -> int:
+        raise NotImplementedError
+
+    def check(self, ctx: CheckContext) -> str | None:
+        value = self.measured(ctx.measurement)
+        if value > self.limit_bytes:
+            return f"{self.what} {_gb(value)} exceeds the {self.limit} {_gb(self.limit_bytes)}"
+        return None
+
+
+class HostBudget(_Limit):
     name = "host-budget"
+    what = "host anon+shmem"
+    limit = "budget"
 
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-
-    def check(self, ctx: CheckContext) -> str | None:
-        if ctx.measurement.host_abs > self.limit_bytes:
-            return f"host anon+shmem {_gb(ctx.measurement.host_abs)} exceeds the budget {_gb(self.limit_bytes)}"
-        return None
+    def measured(self, m: Measurement) -> int:
+        return m.host_abs
 
 
-class DeviceBudget(Invariant):
+class DeviceBudget(_Limit):
     name = "device-budget"
+    what = "device memory"
 
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-
-    def check(self, ctx: CheckContext) -> str | None:
-        if ctx.measurement.device > self.limit_bytes:
-            return f"device memory {_gb(ctx.measurement.device)} exceeds the limit {_gb(self.limit_bytes)}"
-        return None
+    def measured(self, m: Measurement) -> int:
+        return m.device
 
 
 def default_invariants(plan: Plan, *, tolerance: float = 0.05, host_slack_bytes: int = 32 * MiB) -> list[Invariant]:
@@ -352,6 +364,12 @@ class HandoffExecutor:
         return sizes
 
     def measure(self) -> Measurement:
+        """Host and device now, against the baseline of the run in progress."""
+        if self.result is None:
+            raise HandoffError("the executor has no baseline yet: measure() works once run() or run_phase() started")
+        return self._measure(self.result)
+
+    def _measure(self, result: ExecutionResult) -> Measurement:
         fps = self._footprints()
         cpu_device = sum(fp.device_bytes for fp in fps if fp.device_type == "cpu")
         if any(fp.device_type == "cpu" for fp in fps):
@@ -363,15 +381,15 @@ class HandoffExecutor:
             device = d.used if d is not None else 0
         else:
             device = sum(fp.device_bytes for fp in fps)
-        assert self.result is not None
         return Measurement(
-            host_copies=h.value - self.result.baseline_host - cpu_device,
+            host_copies=h.value - result.baseline_host - cpu_device,
             host_abs=h.value, device=device, logical_host=logical_host, held=self._held_now(),
         )
 
-    def _start(self, plan: Plan) -> None:
+    def _start(self, plan: Plan) -> ExecutionResult:
+        """The result of the run in progress; a new one (and a new baseline) for a new mode."""
         if self.result is not None and self.result.peak_device == plan.peak_device:
-            return
+            return self.result
         gc.collect()  # garbage collected later would otherwise make host copies look smaller
         fps = self._footprints()
         cpu_device = sum(fp.device_bytes for fp in fps if fp.device_type == "cpu")
@@ -391,6 +409,7 @@ class HandoffExecutor:
         reserved = sum(p.capacity_bytes for p in self.pools)
         self._sim_host_max = max(sum(fp.host_bytes for fp in fps), reserved)
         log.info("handoff executor: host baseline %.3f GB, device baseline %.3f GB", baseline / 1e9, dev_base / 1e9)
+        return self.result
 
     def invariants(self, plan: Plan) -> list[Invariant]:
         base = self._invariants if self._invariants is not None else default_invariants(
@@ -402,35 +421,33 @@ class HandoffExecutor:
             between: Callable[[PhaseName], None] | None = None) -> ExecutionResult:
         """Run init (optionally) and ``cycles`` rollout->train->rollout rounds of ``plan``.
         ``between(phase)`` runs after each phase (training or generation work goes there)."""
+        result = self._start(plan)
         for phase in plan.schedule(cycles, include_init=include_init):
             self.run_phase(plan, phase)
             if between is not None:
                 between(phase.name)
-        assert self.result is not None
-        return self.result
+        return result
 
     def run_phase(self, plan: Plan, phase: Phase | PhaseName | str) -> ExecutionResult:
         """Run one phase of ``plan`` (call it from a training loop at each handoff)."""
         if not isinstance(phase, Phase):
             phase = plan.phase(phase)
-        self._start(plan)
-        assert self.result is not None
+        result = self._start(plan)
         expected = start_state(plan.config, phase.name)
         invariants = self.invariants(plan)
         for i, step in enumerate(phase.steps, 1):
-            self._run_step(plan, phase, i, step.op, step.backup, step.why, expected, invariants)
+            self._run_step(result, plan, phase, i, step, expected, invariants)
             alloc, free = effect(step.op, expected, step.backup)
             expected = (expected | alloc) - free
-        return self.result
+        return result
 
     def _participant(self, op: Op) -> MemoryParticipant | None:
         return self.trainer if op.actor == "trainer" else self.engine
 
-    def _run_step(self, plan: Plan, phase: Phase, index: int, op: Op, backup: bool, why: str,
+    def _run_step(self, result: ExecutionResult, plan: Plan, phase: Phase, index: int, step: Step,
                   expected: frozenset[Region], invariants: list[Invariant]) -> None:
-        assert self.result is not None
+        op, backup, label = step.op, step.backup, step.label
         participant = self._participant(op)
-        label = f"{op.value}(backup={backup})" if op is Op.ENGINE_OFFLOAD_WEIGHTS else op.value
         alloc, free = effect(op, expected, backup)
         sizes = self._sizes()
         exp_peak = expected | alloc
@@ -444,7 +461,7 @@ class HandoffExecutor:
                 plan=plan, phase=phase.name.value, index=index, step=label, moment=moment, measurement=m,
                 expected_held=held, expected_host_copies=exp_host, expected_host_copies_max=self._sim_host_max,
                 expected_device=exp_dev, sizes=self._sizes(),
-                device_baseline=self.result.baseline_device if self.result else 0,
+                device_baseline=result.baseline_device,
                 device_measured=self._device_measured, report=report, expected_effect=(alloc, free),
             )
 
@@ -464,11 +481,11 @@ class HandoffExecutor:
         marks: list[Measurement] = []
 
         def on_mark(_p: MemoryParticipant, event: str) -> None:
-            m = self.measure()
+            m = self._measure(result)
             marks.append(m)
             check(context("peak", m))
 
-        before = self.measure()
+        before = self._measure(result)
         started = time.perf_counter()
         if participant is None:
             report = OpReport(participant=op.actor, op=op.method, noop=True, note=f"no {op.actor} participant")
@@ -488,7 +505,7 @@ class HandoffExecutor:
             finally:
                 participant.remove_listener(on_mark)
         seconds = time.perf_counter() - started
-        after = self.measure()
+        after = self._measure(result)
         host_peak = max([before.host_copies, after.host_copies] + [m.host_copies for m in marks])
         host_abs_peak = max([before.host_abs, after.host_abs] + [m.host_abs for m in marks])
         dev_peak = max([before.device, after.device] + [m.device for m in marks])
@@ -496,7 +513,7 @@ class HandoffExecutor:
             w_host, w_dev = watched
             if w_host:
                 host_abs_peak = max(host_abs_peak, w_host)
-                host_peak = max(host_peak, w_host - self.result.baseline_host)
+                host_peak = max(host_peak, w_host - result.baseline_host)
             dev_peak = max(dev_peak, w_dev,
                            before.device - reserved_before + torch.cuda.max_memory_reserved(self.device.device))
             sampled_peak = Measurement(host_copies=host_peak, host_abs=host_abs_peak, device=dev_peak,
@@ -504,8 +521,8 @@ class HandoffExecutor:
             check(context("peak", sampled_peak))
         expected_after = (expected | alloc) - free
         check(context("after", after, report, expected_after))
-        self.result.records.append(StepRecord(
-            phase=phase.name.value, index=index, step=label, why=why, report=report,
+        result.records.append(StepRecord(
+            phase=phase.name.value, index=index, step=label, why=step.why, report=report,
             held_after=[r.value for r in Region if r in after.held],
             host_before=before.host_copies, host_peak=host_peak, host_after=after.host_copies,
             host_abs_peak=host_abs_peak,
@@ -516,7 +533,7 @@ class HandoffExecutor:
                  phase.name.value, index, label, host_peak / 1e9, dev_peak / 1e9, seconds)
         if self._pending:
             found, self._pending = self._pending, []
-            self.result.violations.extend(found)
+            result.violations.extend(found)
             if self.fail_fast:
                 first = found[0]
                 more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from colosync.errors import UnsupportedOperation
 from colosync.handoff.model.ops import Op, Region
 
 Listener = Callable[["MemoryParticipant", str], None]
@@ -52,6 +53,11 @@ class OpReport(msgspec.Struct, frozen=True, kw_only=True):
     def gbps(self) -> float:
         moved = max(self.bytes_to_host, self.bytes_to_device)
         return moved / self.seconds / 1e9 if self.seconds > 0 and moved else 0.0
+
+
+COUNTERS: tuple[str, ...] = tuple(
+    f for f in OpReport.__struct_fields__ if f not in ("participant", "op", "noop", "seconds", "note"))
+"""The byte counts of an ``OpReport``: what a participant's helpers add up for it."""
 
 
 class Footprint(msgspec.Struct, frozen=True):
@@ -100,15 +106,28 @@ class MemoryParticipant(abc.ABC):
     def run(self, op: Op, *, backup: bool = True) -> OpReport:
         """Perform ``op`` (one of this participant's operations)."""
         if op.actor != self.actor:
-            raise ValueError(f"{op.value} is not an operation of the {self.actor}")
+            raise UnsupportedOperation(
+                f"{op.value} is not an operation of the {self.actor} ({self.name!r}); run it on the {op.actor}")
         method = getattr(self, op.method)
         return method(backup) if op is Op.ENGINE_OFFLOAD_WEIGHTS else method()
 
     def _report(self, op: str, started: float, **fields: Any) -> OpReport:
         return OpReport(participant=self.name, op=op, seconds=time.perf_counter() - started, **fields)
 
+    def _report_moves(self, op: str, started: float, moves: OpReport, *, note: str = "",
+                      device_freed: int = 0) -> OpReport:
+        """This participant's report of ``op`` from the byte counts of what a helper did
+        (``moves``, e.g. a ``TensorStash``'s), plus ``device_freed`` bytes freed besides."""
+        counts = {name: getattr(moves, name) for name in COUNTERS}
+        counts["device_freed"] += device_freed
+        return self._report(op, started, note="; ".join(n for n in (moves.note, note) if n), **counts)
+
     def _noop(self, op: str, why: str) -> OpReport:
         return OpReport(participant=self.name, op=op, noop=True, note=why)
+
+    def _peak(self) -> None:
+        """Mark the peak of an operation (it holds the old and the new copy): listeners sample now."""
+        self._notify("peak")
 
 
 class TrainerMemory(MemoryParticipant):

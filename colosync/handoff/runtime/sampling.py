@@ -14,14 +14,11 @@ inside an operation.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 try:  # psutil is a dependency, but a bare GPU host may lack it: fall back to /proc
     import psutil
@@ -211,7 +208,7 @@ class PeakWatcher:
         if self.device.enabled:
             torch.cuda.set_device(self.device.device)
         while not self._stop.wait(self.interval_s):
-            h = HostSampler.sample(self.host).value
+            h = self.host.sample().value
             d = self.device.sample()
             with self._lock:
                 self._host_max = max(self._host_max, h)

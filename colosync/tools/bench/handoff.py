@@ -10,52 +10,18 @@ out into one buffer, is reported apart) and checks the bytes survived the round 
 
 from __future__ import annotations
 
-import datetime as _dt
-import logging
-import os
-import platform
-import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from colosync.errors import ConfigError
+from colosync.tools.bench.machine import run_header
 
 Progress = Callable[[str], None]
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    try:
-        import psutil
-
-        info["host_memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info["gpu"] = props.name
-        info["gpu_memory_bytes"] = props.total_memory
-    return info
-
-
-def run_header(argv: list[str] | None = None) -> dict[str, Any]:
-    return {
-        "command": " ".join(["colosync", *(argv if argv is not None else sys.argv[1:])]),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-    }
+BACKENDS = ("torch", "tms")
 
 
 def _make_tensors(size_bytes: int, tensors: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -187,15 +153,16 @@ def run_bench(*, size_bytes: int, tensors: int = 400, device: str | None = None,
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     say = progress or (lambda _m: None)
-    out = run_header(argv) | {"device": str(dev), "size_bytes": size_bytes, "tensors": tensors,
-                              "repeats": repeats, "results": []}
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+    out = run_header(argv, device=dev) | {"device": str(dev), "size_bytes": size_bytes, "tensors": tensors,
+                                          "repeats": repeats, "results": []}
     for name in backends:
         if name == "torch":
             out["results"].append(bench_torch(size_bytes, tensors, dev, dtype, repeats, chunk_bytes, say))
-        elif name == "tms":
-            out["results"].append(bench_tms(size_bytes, tensors, dev, dtype, repeats, say))
         else:
-            raise ValueError(f"unknown backend {name!r}; choose from torch, tms")
+            out["results"].append(bench_tms(size_bytes, tensors, dev, dtype, repeats, say))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out

@@ -22,6 +22,7 @@ from multiprocessing.reduction import ForkingPickler
 import msgspec
 import torch
 
+from colosync.errors import ConfigError, EngineError
 from colosync.wire.manifest import dtype_from_name, dtype_name
 
 MODES = ("fresh_ipc", "pickle")
@@ -61,7 +62,7 @@ class ReferencePath:
 
     def __init__(self, mode: str, device: torch.device, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
         if mode not in MODES:
-            raise ValueError(f"unknown reference path {mode!r}; choose from {MODES}")
+            raise ConfigError(f"unknown reference path {mode!r}; choose from {list(MODES)} (or --references none)")
         import torch.multiprocessing  # noqa: F401 - registers ForkingPickler's CUDA tensor reductions
 
         self.mode, self.device, self.buckets = mode, device, buckets
@@ -85,8 +86,9 @@ class ReferencePath:
             else:
                 payload = pickle.dumps((flat.to("cpu"), metas))
             self._conn.send_bytes(payload)
-            if self._conn.recv_bytes() != b"ok":
-                raise RuntimeError(f"reference engine ({self.mode}) failed")
+            reply = self._conn.recv_bytes()
+            if reply != b"ok":
+                raise EngineError(f"reference engine ({self.mode}) answered {reply[:60]!r} to a bucket instead of b'ok'")
             del flat, payload
         return time.perf_counter() - start
 

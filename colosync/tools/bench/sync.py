@@ -16,22 +16,20 @@ JSON with the command line, GPU, driver, torch version and date.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import json
 import math
-import platform
-import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from colosync import WORKLOADS_DIR
+
+from colosync import workloads
+from colosync.errors import ColosyncError, ConfigError
+from colosync.tools.bench.machine import run_header
+from colosync.tools.subcommand import add_subcommand
 
 DEFAULT_BUCKET_MB = {"cuda_ipc": 1024, "shm": 64}
 DEFAULT_SLOTS = {"cuda_ipc": 2, "shm": 2}
@@ -78,27 +76,21 @@ class BenchResult(msgspec.Struct):
 
 
 # -- workloads -------------------------------------------------------------------------------
-def workload_names() -> list[str]:
-    """The shipped sync workloads (JSON files with a ``tensors`` list)."""
-    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.json") if '"tensors"' in p.read_text())
-
-
-def load_workload(arg: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None)
-    from colosync.wire.manifest import LoraSpec, dtype_from_name
+def load_sync_workload(name_or_path: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None)
+    """A sync workload (a preset such as ``seed-lora``, or a JSON file): its summary, the
+    ``(name, shape, dtype)`` of every tensor, and the LoRA spec of a ``lora`` workload."""
     from colosync.sync.target import parse_lora_name
+    from colosync.wire.manifest import LoraSpec, dtype_from_name
 
-    path = Path(arg)
-    if not path.suffix == ".json" and not path.exists():
-        path = WORKLOADS_DIR / f"{arg}.json"
-    if not path.exists():
-        raise SystemExit(f"no workload {arg!r}: give one of {workload_names()} or a JSON file path")
-    data = json.loads(path.read_text())
-    if "tensors" not in data:
-        raise SystemExit(f"{path} has no 'tensors' list; a workload lists name, shape and dtype per tensor")
+    path = workloads.resolve(name_or_path, kind="sync")
+    data = workloads.load(path)
+    if not isinstance(data.get("tensors"), list):
+        raise ConfigError(f"{path} has no 'tensors' list; a sync workload lists name, shape and dtype per tensor")
     specs = [(t["name"], tuple(int(d) for d in t["shape"]), dtype_from_name(t["dtype"])) for t in data["tensors"]]
     total = sum(math.prod(s) * d.itemsize for _, s, d in specs)
     if data.get("total_bytes") not in (None, total):
-        raise SystemExit(f"{path}: total_bytes says {data['total_bytes']} but the tensors add up to {total}")
+        raise ConfigError(f"{path}: total_bytes says {data['total_bytes']} but the tensors add up to {total}; "
+                          f"fix or drop total_bytes")
     lora = None
     kind = data.get("kind", "full")
     if kind == "lora":
@@ -278,31 +270,6 @@ def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:  # noq
     return out
 
 
-# -- machine ---------------------------------------------------------------------------------
-def _machine(device) -> dict[str, str]:  # noqa: ANN001
-    import torch
-
-    info = {"gpu": "cpu", "driver": "none", "cuda": str(torch.version.cuda), "torch": str(torch.__version__)}
-    if torch.device(device).type != "cuda":
-        return info
-    info.update(gpu=torch.cuda.get_device_name(device), driver="unknown")
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
-                              str(torch.device(device).index or 0)], capture_output=True, text=True, timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            info["driver"] = out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if info["driver"] == "unknown":
-        try:
-            from colosync.transports.cuda_ipc import runtime
-
-            info["driver"] = f"CUDA driver API {runtime().version('driver')}"
-        except Exception:
-            pass
-    return info
-
-
 # -- the command -----------------------------------------------------------------------------
 def _per_transport(spec: str | None, defaults: dict[str, int]) -> dict[str, int]:
     """``"256"`` (every transport) or ``"cuda_ipc=1024,shm=64"`` over ``defaults``."""
@@ -330,11 +297,12 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("colosync bench needs a CUDA GPU (trainer and engine share one); see `colosync probe`")
+            raise ConfigError("colosync bench needs a CUDA GPU (trainer and engine share one); see `colosync probe`, "
+                              "or pass --device cpu for a smoke test of the transports")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    workload, specs, lora = load_workload(args.workload)
+    workload, specs, lora = load_sync_workload(args.workload)
     names = [t.strip() for t in args.transports.split(",")] if args.transports else registry.names()
     refs = [r.strip() for r in args.references.split(",") if r.strip()] if args.references != "none" else []
     buckets = _bucket_bytes(args.bucket_mb)
@@ -398,12 +366,12 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
         if floor_ms:
             r.vs_floor = round(r.median_ms / floor_ms, 3)
         r.speedup_vs = {ref: round(med / r.median_ms, 2) for ref, med in ref_medians.items() if ref != r.path}
-    machine = _machine(device)
-    argv = sys.argv[1:] if args.argv is None else args.argv
+    header = run_header(args.argv, device=device)
+    machine = header["machine"]
     return BenchResult(
-        command="colosync " + shlex.join(argv), argv=list(sys.argv), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        host=socket.gethostname(), gpu=machine["gpu"], driver=machine["driver"], cuda=machine["cuda"],
-        torch=machine["torch"], python=platform.python_version(), workload=workload, floor_ms=floor_ms,
+        command=header["command"], argv=list(sys.argv), date=header["date"], host=machine["hostname"],
+        gpu=machine.get("gpu", "cpu"), driver=machine.get("driver", "none"), cuda=str(machine["cuda"]),
+        torch=machine["torch"], python=machine["python"], workload=workload, floor_ms=floor_ms,
         results=results, notes=notes,
     )
 
@@ -447,11 +415,16 @@ def _run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     err = Console(stderr=True)
-    if args.json:
-        result = run_bench(args)
-    else:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as progress:
-            result = run_bench(args, progress)
+    try:
+        if args.json:
+            result = run_bench(args)
+        else:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
+                          transient=True) as progress:
+                result = run_bench(args, progress)
+    except ColosyncError as exc:
+        print(f"colosync bench: {exc}", file=sys.stderr)
+        return 2
     encoded = msgspec.json.format(msgspec.json.encode(result).decode(), indent=2) + "\n"
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -466,14 +439,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench",
+    parser = add_subcommand(
+        subparsers, "bench", doc=__doc__,
         help="time each transport between two processes on one GPU against the seeds' paths and the copy floor",
-        description=__doc__.split("\n\n", 1)[1].replace("``", "'"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--workload", default="seed-lora",
-                        help=f"a shipped workload ({', '.join(workload_names())}) or a JSON file path (default seed-lora)")
+                        help=f"a shipped workload ({', '.join(workloads.names('sync'))}) or a JSON file path (default seed-lora)")
     parser.add_argument("--transports", default=None, help="comma-separated transports (default: all registered)")
     parser.add_argument("--references", default="fresh_ipc,pickle",
                         help="seed reference paths to time: fresh_ipc, pickle, or none (default both)")

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colosync.handoff import HandoffInvariantError, Op, OpReport, Region, build_plan
+from colosync.handoff import HandoffError, HandoffInvariantError, Op, OpReport, Region, build_plan
+from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 from colosync.handoff.runtime.executor import (
+    DeviceBudget,
     HandoffExecutor,
     HostBudget,
     NoCoexistingHostCopies,
 )
-from colosync.handoff.backends.host_pool import HostPool
-from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
-
-from .conftest import CHUNK, make_engine_state, make_trainer_state
+from tests.helpers import CHUNK, make_engine_state, make_trainer_state
 
 
 def participants(shared_pool: bool = True) -> tuple[TorchTrainerMemory, TorchEngineMemory, list[HostPool]]:
@@ -112,3 +112,26 @@ def test_run_phase_by_phase_and_report_json():
     assert [s["step"] for s in data["steps"]][-1] == Op.ENGINE_ONLOAD_KV.value
     assert data["steps"][0]["report"]["participant"] == "engine"
     assert not data["violations"]
+
+
+def test_device_budget_invariant():
+    trainer, engine, _ = participants()
+    executor = HandoffExecutor(trainer, engine, extra_invariants=[DeviceBudget(1)], fail_fast=False)
+    result = executor.run(build_plan(peak_device="gpu"), cycles=0)
+    assert result.violations and {v.invariant for v in result.violations} == {"device-budget"}
+    assert "device memory" in result.violations[0].message and "exceeds the limit" in result.violations[0].message
+
+
+def test_measure_needs_a_started_run():
+    trainer, engine, _ = participants()
+    executor = HandoffExecutor(trainer, engine)
+    with pytest.raises(HandoffError, match=r"measure\(\) works once run\(\) or run_phase\(\) started"):
+        executor.measure()
+    executor.run_phase(build_plan(peak_device="gpu"), "init")
+    assert executor.measure().held == frozenset({Region.ENGINE_WEIGHTS, Region.ENGINE_KV, Region.TRAINER_BACKUP})
+
+
+def test_run_with_no_phases_still_returns_a_result():
+    trainer, engine, _ = participants()
+    result = HandoffExecutor(trainer, engine).run(build_plan(peak_device="gpu"), cycles=0, include_init=False)
+    assert result.records == [] and result.peak_device == "gpu"

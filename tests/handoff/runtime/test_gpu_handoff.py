@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from colosync.handoff import Region, build_plan
-from colosync.handoff.backends.torch_engine import TorchEngineMemory
-from colosync.handoff.runtime.executor import HandoffExecutor
 from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.torch_engine import TorchEngineMemory
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
+from colosync.handoff.runtime.executor import HandoffExecutor
 from colosync.handoff.runtime.sampling import HostSampler
 from colosync.tools.bench.synthetic import engine_state, trainer_state
-from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,4 +1,4 @@
-"""The simulator and ``colosync plan``, including the K3 GB300 verdicts of seeds/003."""
+"""The simulator, including the K3 GB300 verdicts of seeds/003 (``colosync plan`` is in tests/tools)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,24 @@ import json
 import msgspec
 import pytest
 
-from colosync.tools.cli import main
+from colosync import workloads
+from colosync.errors import ConfigError
 from colosync.handoff import (
     HandoffSizes,
     SizesError,
     build_plan,
     compare,
-    load_workload,
+    load_handoff_sizes,
     simulate,
 )
-from colosync.tools.handoff import parse_size
 
 GB = 10**9
 
 
 @pytest.fixture(scope="module")
 def k3():
-    return load_workload("k3-gb300")
+    doc = workloads.load("k3-gb300", kind="handoff")
+    return HandoffSizes.from_workload(doc), doc
 
 
 def test_k3_preset_verdicts(k3):
@@ -45,8 +46,7 @@ def test_k3_preset_verdicts(k3):
 def test_k3_from_the_shared_path_matches_the_preset(k3, tmp_path):
     path = tmp_path / "k3.json"
     path.write_text(json.dumps(k3[1]))
-    sizes, _ = load_workload(str(path))
-    assert sizes == k3[0]
+    assert load_handoff_sizes(str(path)) == k3[0] == load_handoff_sizes("k3-gb300")
 
 
 def test_gpu_peak_is_baseline_plus_larger_copy(k3):
@@ -93,57 +93,13 @@ def test_sizes_are_checked():
     with pytest.raises(SizesError, match="raise trainer_resident_bytes"):
         HandoffSizes(engine_weight_bytes=1, engine_kv_bytes=1, trainer_resident_bytes=1, trainer_backup_bytes=2)
     with pytest.raises(SizesError, match="unknown workload key"):
-        from colosync.handoff.model.simulator import sizes_from_workload
-
-        sizes_from_workload({"engine_weights": 1})
-    with pytest.raises(SizesError, match="presets"):
-        load_workload("no-such-workload")
-
-
-@pytest.mark.parametrize("text, value", [("140GB", 140 * GB), ("898GiB", 898 * 2**30), ("1.5e9", 1_500_000_000),
-                                         ("512 MiB", 512 * 2**20)])
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-def test_cli_plan_json(capsys):
-    assert main(["plan", "--workload", "k3-gb300", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["recommended"] == "gpu"
-    assert out["modes"]["cpu"]["fits_host"] is False
-    assert out["modes"]["gpu"]["host_peak_bytes"] == pytest.approx(770 * GB, rel=0.01)
-    assert out["workload_expect"]["gpu_mode_fits"] is True
-    assert out["modes"]["gpu"]["timeline"][0]["phase"] == "start"
-
-
-def test_cli_plan_table_and_plot(capsys, tmp_path):
-    png = tmp_path / "k3.png"
-    assert main(["plan", "--workload", "k3-gb300", "--plot", str(png)]) == 0
-    text = capsys.readouterr().out
-    assert "peak_device=cpu" in text and "peak_device=gpu" in text
-    assert "recommended: --peak-device gpu" in text
-    assert "970.0" in text and "770.0" in text
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-def test_cli_plan_from_flags_and_overrides(capsys):
-    args = ["plan", "--engine-weights", "16GB", "--kv", "60GB", "--trainer-resident", "48GB",
-            "--trainer-backup", "40GB", "--host-budget", "50GB", "--gpu-memory", "141GB", "--json"]
-    assert main(args) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["recommended"] == "gpu" and out["modes"]["cpu"]["host_peak_bytes"] == 56 * GB
-    # raising the budget through an override of the preset makes both fit
-    assert main(["plan", "--workload", "k3-gb300", "--host-budget", "2TB", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["modes"]["cpu"]["fits"] and out["modes"]["gpu"]["fits"]
-
-
-def test_cli_plan_errors(capsys):
-    assert main(["plan", "--engine-weights", "1GB"]) == 2
-    assert "--kv" in capsys.readouterr().err
-    assert main(["plan", "--workload", "k3-gb300", "--host-budget", "100GB", "--json"]) == 1
-    out = json.loads(capsys.readouterr().out)
-    assert out["recommended"] is None
+        HandoffSizes.from_workload({"engine_weights": 1})
+    with pytest.raises(SizesError, match=r"workload lacks \['engine_kv_bytes'"):
+        HandoffSizes.from_workload({"engine_weight_bytes_per_gpu": 1})
+    with pytest.raises(ConfigError, match=r"presets: \['k3-gb300'\]"):
+        load_handoff_sizes("no-such-workload")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_handoff_sizes("/no/such/node.json")
 
 
 def test_comparison_serialises(k3):

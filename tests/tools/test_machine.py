@@ -1,0 +1,39 @@
+"""The header every recorded benchmark carries: the exact command, the date and the machine."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shlex
+import sys
+
+import torch
+
+from colosync.tools.bench.machine import command_line, machine_info, run_header
+
+
+def test_header_names_the_exact_command_and_the_machine():
+    header = run_header(["handoff-bench", "--size", "32MB", "--out", "my results/b.json"], device="cpu")
+    assert set(header) == {"command", "date", "machine"}
+    assert header["command"] == "colosync handoff-bench --size 32MB --out 'my results/b.json'"
+    assert shlex.split(header["command"])[-1] == "my results/b.json"  # pasting it reproduces the run
+    assert dt.datetime.fromisoformat(header["date"]).tzinfo is not None
+    machine = header["machine"]
+    assert machine["torch"] == str(torch.__version__) and machine["python"] == sys.version.split()[0]
+    assert machine["hostname"] and machine["cpu_count"] >= 1 and machine["host_memory_bytes"] > 0
+    assert "gpu" not in machine and "driver" not in machine  # a CPU run names no GPU
+
+
+def test_command_of_a_script_and_of_this_process(monkeypatch):
+    assert command_line(["--mode", "gpu"], prog=("python", "benchmarks/gpu_handoff.py")) == \
+        "python benchmarks/gpu_handoff.py --mode gpu"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/colosync", "plan", "--workload", "k3-gb300"])
+    assert command_line() == "colosync plan --workload k3-gb300"
+    assert run_header()["command"] == "colosync plan --workload k3-gb300"
+
+
+def test_machine_info_without_cuda_reports_no_gpu():
+    if torch.cuda.is_available():
+        info = machine_info()
+        assert info["gpu"] and info["gpu_memory_bytes"] > 0 and info["driver"]
+    else:
+        assert "gpu" not in machine_info() and machine_info()["cuda"] is None
