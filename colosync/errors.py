@@ -57,6 +57,26 @@ class UpdateTimeoutError(UpdateRejected):
     """The sender went silent mid-update and the receiver aborted it."""
 
 
+class IncompleteUpdateError(UpdateRejected):
+    """An update that must be whole is not (an empty LoRA, modules of its targets missing)."""
+
+
+class TiedWeightError(UpdateRejected):
+    """A tied parameter (``lm_head.weight`` of a model that ties it to the embedding) disagrees with its tie."""
+
+
+class DeliveryError(UpdateRejected):
+    """The engine committed the bytes but does not compute what the trainer computes.
+
+    A LoRA update is rolled back to the previous adapter; a full update leaves the engine
+    refusing to serve (failed closed) until a verified update commits.
+    """
+
+
+class EngineBusyError(UpdateRejected):
+    """Another sender owns this engine; the message names it and how to take over."""
+
+
 class TransportError(ColosyncError):
     """A transport could not be created, attached or used."""
 
@@ -67,6 +87,14 @@ class TransportUnavailable(TransportError):
 
 class EngineError(ColosyncError):
     """The engine process failed or is gone."""
+
+
+class FailedClosedError(EngineError):
+    """The engine refuses to serve: a full update failed verification (push a good one)."""
+
+
+class AuthenticationError(EngineError):
+    """A client could not prove it holds the engine's key."""
 
 
 class ConfigError(ColosyncError, ValueError):

@@ -77,3 +77,51 @@ def cpu_host_pool(**kw):  # noqa: ANN003, ANN201 - a colosync.handoff.backends.h
     from colosync.handoff.backends.host_pool import HostPool
 
     return HostPool(chunk_bytes=kw.pop("chunk_bytes", CHUNK), pin="none", **kw)
+
+
+# -- verified commits: a probe on the Commit of the next push ---------------------------------
+
+
+class _Recorded:
+    def __init__(self, pending, acks: list) -> None:
+        self._pending, self._acks = pending, acks
+
+    def wait(self):  # noqa: ANN201 - an Ack
+        ack = self._pending.wait()
+        self._acks.append(ack)
+        return ack
+
+
+class ProbingLink:
+    """A ``Link`` in front of ``link`` that puts ``probe`` on every ``Commit`` and keeps the Commits' Acks.
+
+    A Sender sends ``Commit(update_id)``; this is how a test makes that a verified commit.
+    """
+
+    def __init__(self, link, probe) -> None:  # noqa: ANN001 - a Link and a wire.protocol.Probe
+        self.link, self.probe = link, probe
+        self.acks: list = []
+
+    def submit(self, request):  # noqa: ANN001, ANN201
+        from colosync.wire.protocol import Commit
+
+        if isinstance(request, Commit):
+            return _Recorded(self.link.submit(Commit(request.update_id, probe=self.probe)), self.acks)
+        return self.link.submit(request)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class probing:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with probing(sender, probe) as link:`` -- the sender's pushes commit with ``probe``; ``link.acks``."""
+
+    def __init__(self, sender, probe) -> None:  # noqa: ANN001
+        self.sender, self.link = sender, ProbingLink(sender.link, probe)
+
+    def __enter__(self) -> ProbingLink:
+        self.sender.link = self.link
+        return self.link
+
+    def __exit__(self, *exc: object) -> None:
+        self.sender.link = self.link.link

@@ -15,9 +15,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
-from colosync.errors import DtypeError, RankError, ShapeMismatchError, UnknownTensorError
+from colosync.errors import (
+    DtypeError,
+    IncompleteUpdateError,
+    ManifestError,
+    RankError,
+    ShapeMismatchError,
+    TiedWeightError,
+    UnknownTensorError,
+)
 from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
 
 
@@ -34,13 +43,24 @@ class ModelSpec:
     ``params`` maps HF parameter names to their shape and dtype (full-weight updates);
     ``lora_modules`` maps HF module paths (``model.layers.0.self_attn.q_proj``) to
     ``(in_features, out_features)`` for every module a LoRA may wrap. ``None`` means "any
-    name and shape" (a plain tensor store); only structural checks apply then.
+    name and shape" (a plain tensor store); only structural checks apply then. ``tied`` maps
+    a parameter name the model ties to another (``lm_head.weight`` ->
+    ``model.embed_tokens.weight`` when embeddings are tied) so a full ``state_dict()`` can be
+    pushed as is: the tied copy must equal its tie and is not applied twice.
     """
 
     params: Mapping[str, ParamSpec] | None
     lora_modules: Mapping[str, tuple[int, int]] | None = field(default_factory=dict)
     max_lora_rank: int | None = None
     lora_dtype: torch.dtype = torch.float32
+    tied: Mapping[str, str] = field(default_factory=dict)
+
+
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for every state-dict entry that is another parameter (tied weights)."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    return {name: canonical[id(p)] for name, p in model.state_dict(keep_vars=True).items()
+            if id(p) in canonical and canonical[id(p)] != name}
 
 
 @dataclass(frozen=True)
@@ -59,11 +79,24 @@ class Staging:
     buckets: Sequence[torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class Changes:
+    """What a commit changed in the served model, counted by the engine itself.
+
+    ``expected`` is what the manifest says should change, in the same unit (LoRA modules,
+    parameters, or the engine's layers); the Receiver rolls the update back (or fails
+    closed) when the two differ.
+    """
+
+    changed: int
+    expected: int
+
+
 class EngineTarget(abc.ABC):
     """The engine half of a transaction. ``prepare`` builds, ``commit`` installs.
 
-    An engine adapter subclasses this and implements the four abstract methods; ``check``
-    and ``staging`` are optional refinements with safe defaults.
+    An engine adapter subclasses this and implements the four abstract methods; ``check``,
+    ``staging`` and ``revert`` are optional refinements with safe defaults.
     """
 
     @abc.abstractmethod
@@ -75,12 +108,24 @@ class EngineTarget(abc.ABC):
         """Build the update (cast, shard, assemble) without changing what is served."""
 
     @abc.abstractmethod
-    def commit(self, prepared: Any, update_id: int) -> None:
-        """Install a prepared update; must either fully succeed or change nothing."""
+    def commit(self, prepared: Any, update_id: int) -> Changes | None:
+        """Install a prepared update; must either fully succeed or change nothing.
+
+        Return what it changed (``Changes``) if the engine can count it; ``None`` skips the
+        structural check.
+        """
 
     @abc.abstractmethod
     def discard(self, prepared: Any) -> None:
         """Free a prepared update that will not be committed."""
+
+    def revert(self, update_id: int) -> bool:
+        """Undo the commit of ``update_id`` (the last one; it failed verification).
+
+        Reinstate the version served before it and return True, or return False when that is
+        impossible (a full update overwrote the weights): the Receiver then fails closed.
+        """
+        return False
 
     def check(self, manifest: UpdateManifest) -> None:  # noqa: B027 - optional hook, no-op by default
         """Engine-specific rejections beyond ``validate_manifest``, before any byte moves.
@@ -121,16 +166,41 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
 def validate_manifest(manifest: UpdateManifest, spec: ModelSpec) -> None:
     """Raise the specific ``UpdateRejected`` subclass for the first problem found."""
     if manifest.kind == "lora":
-        assert manifest.lora is not None
+        if manifest.lora is None:
+            raise ManifestError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
         _validate_lora(manifest.tensors, manifest.lora, spec)
     else:
         _validate_full(manifest.tensors, spec)
 
 
+def untie(manifest: UpdateManifest, tensors: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """``tensors`` without the tied copies, after checking each equals its tie (bytes arrived)."""
+    if not spec.tied:
+        return tensors
+    aliases = [name for name in tensors if name in spec.tied]
+    for alias in aliases:
+        canonical = spec.tied[alias]
+        if not torch.equal(tensors[alias], tensors[canonical]):
+            raise TiedWeightError(
+                f"update {manifest.update_id}: {alias!r} differs from {canonical!r}, but the engine's model ties "
+                f"them (one tensor); send equal values, or only {canonical!r}"
+            )
+    return {name: t for name, t in tensors.items() if name not in spec.tied} if aliases else tensors
+
+
 def _validate_full(tensors: tuple[TensorMeta, ...], spec: ModelSpec) -> None:
     if spec.params is None:
         return
+    names = {t.name for t in tensors}
     for t in tensors:
+        canonical = spec.tied.get(t.name)
+        if canonical is not None:
+            if canonical not in names:
+                raise TiedWeightError(
+                    f"full update sends {t.name!r} without {canonical!r}: the engine's model ties {t.name!r} to "
+                    f"{canonical!r} (tie_word_embeddings), so send {canonical!r} (the tie follows it), or both, equal"
+                )
+            t = msgspec.structs.replace(t, name=canonical)  # checked against the parameter it is tied to
         want = spec.params.get(t.name)
         if want is None:
             close = [n for n in spec.params if n.endswith(t.name.split(".")[-1])][:3]
@@ -151,6 +221,11 @@ def _validate_full(tensors: tuple[TensorMeta, ...], spec: ModelSpec) -> None:
 
 
 def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelSpec) -> None:
+    if not tensors:
+        raise IncompleteUpdateError(
+            "an empty LoRA update would leave the engine with no adapter: a LoRA update replaces the whole "
+            f"adapter, so send all of its tensors (Sender.push_peft(model)) for target_modules {list(lora.target_modules)}"
+        )
     if spec.max_lora_rank is not None and lora.rank > spec.max_lora_rank:
         raise RankError(
             f"adapter rank {lora.rank} exceeds the engine's max_lora_rank={spec.max_lora_rank}; "
@@ -193,3 +268,27 @@ def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelS
             raise UnknownTensorError(
                 f"module {module!r} has lora_{have.pop()} but no lora_{missing}; send both halves"
             )
+    if spec.lora_modules is not None:
+        expected = {m for m in spec.lora_modules if _wrapped(m, lora)}
+        missing_modules = sorted(expected - parts.keys())
+        if missing_modules:
+            raise IncompleteUpdateError(
+                f"the LoRA update sends {len(parts)} of the {len(expected)} modules its target_modules "
+                f"{list(lora.target_modules)} name in the engine's model; missing {len(missing_modules)}: "
+                f"{missing_modules[:8]}{' ...' if len(missing_modules) > 8 else ''}. A LoRA update replaces the "
+                "whole adapter, so unsent modules would lose theirs: send every module, or narrow target_modules "
+                "(or LoraSpec.layers) to what the adapter wraps"
+            )
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _wrapped(module: str, lora: LoraSpec) -> bool:
+    """Does an adapter of ``lora`` wrap ``module`` (leaf name in its targets, layer in its layers)?"""
+    if module.rsplit(".", 1)[-1] not in lora.target_modules:
+        return False
+    if lora.layers is None:
+        return True
+    found = _LAYER_INDEX.search(f".{module}.")
+    return found is not None and int(found.group(1)) in lora.layers

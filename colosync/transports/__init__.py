@@ -1,19 +1,24 @@
 """Transport registry: name -> the module that implements it, imported only when used.
 
 Adding a transport is one new file (a ``SenderTransport`` and a ``ReceiverTransport``) plus
-one line in ``_REGISTRY``. ``candidates("auto", device)`` lists them in preference order with
-why each can or cannot run here; the Sender attaches the first that works end to end (the
-engine really opening its handle is the test) and logs why it passed over the others.
+one line in ``_REGISTRY`` (the contract suite, ``tests/transports/test_contract.py``, then
+covers it). ``candidates("auto", device)`` lists them in preference order with why each can or
+cannot run here; ``attach_first`` creates and attaches the first that works end to end (the
+engine really opening its handle is the test, done by a callback, so this layer knows nothing
+of links or Senders) and logs why it passed over the others.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from colosync.errors import TransportUnavailable
+from colosync.errors import TransportError, TransportUnavailable
 from colosync.transports.base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
@@ -64,27 +69,69 @@ def candidates(name: str, device: torch.device) -> list[tuple[str, type[SenderTr
     return out
 
 
-def resolve(name: str, device: torch.device) -> type[SenderTransport]:
-    """The sender transport class for ``name``; ``"auto"`` picks the first that works."""
-    if name != "auto":
-        cls = sender_class(name)
-        ok, why = cls.available(device)
-        if not ok:
-            raise TransportUnavailable(f"transport {name!r} cannot run here: {why}")
-        return cls
-    reasons = []
-    for candidate in names():
-        cls = sender_class(candidate)
-        ok, why = cls.available(device)
-        if ok:
-            for skipped in reasons:
-                log.info("transport auto: passed over %s", skipped)
+@dataclass(frozen=True)
+class Attached:
+    """What ``attach_first`` settled on: the attached transport, the engine's reply and why."""
+
+    transport: SenderTransport
+    reply: Any  # what the ``attach`` callback returned (the Sender's: the engine's ``Ack``)
+    log: list[str]  # "picked 'x': why", then "passed over 'y': why" for each transport passed over
+
+
+def attach_first(
+    name: str, device: torch.device, bucket_bytes: int, slots: int, attach: Callable[[str, bytes], Any]
+) -> Attached:
+    """Create and attach the first transport that works end to end: ``name``, or each in order for ``"auto"``.
+
+    Each candidate is created for buckets of ``bucket_bytes`` with ``slots`` in flight (its
+    ``geometry``), then ``attach(transport_name, handle_bytes)`` hands its handle to the engine
+    and returns the engine's reply; a ``TransportError`` from it means the engine could not open
+    the handle. With ``"auto"`` a transport that cannot run here (INFO), cannot be created or
+    cannot be opened (WARNING) is closed, logged and passed over; a named transport raises instead.
+    """
+    explicit = name != "auto"
+    passed: list[str] = []
+    for candidate, cls, why in candidates(name, device):
+        if cls is None:
+            if explicit:
+                raise TransportUnavailable(
+                    f"transport {candidate!r} cannot run here: {why}; use transport='auto' or another of {names()}"
+                )
+            _pass_over(passed, candidate, logging.INFO, "", why)
+            continue
+        try:
+            transport = cls.create(*cls.geometry(bucket_bytes, slots, device), device)
+        except Exception as exc:
+            if explicit:
+                raise
+            _pass_over(passed, candidate, logging.WARNING, "it could not be created: ", exc)
+            continue
+        try:
+            reply = attach(cls.name, transport.handle())
+        except TransportError as exc:
+            transport.close()
+            if explicit:
+                raise
+            _pass_over(passed, candidate, logging.WARNING, "the engine could not open it: ", exc)
+            continue
+        except BaseException:
+            transport.close()
+            raise
+        transport.attached()
+        if not explicit:
             log.info("transport auto: picked %r (%s)", candidate, why)
-            return cls
-        reasons.append(f"{candidate!r}: {why}")
-    raise TransportUnavailable("no transport works here: " + "; ".join(reasons))
+        return Attached(transport, reply, [f"picked {candidate!r}: {why}"] + [f"passed over {p}" for p in passed])
+    raise TransportUnavailable(
+        "no transport works here: " + "; ".join(passed) + "; run `colosync probe` to see what this machine allows"
+    )
+
+
+def _pass_over(passed: list[str], name: str, level: int, what: str, why: object) -> None:
+    log.log(level, "transport auto: passed over %r: %s%s", name, what, why)
+    passed.append(f"{name!r}: {why}")
 
 
 __all__ = [
-    "SenderTransport", "ReceiverTransport", "names", "candidates", "resolve", "sender_class", "receiver_class",
+    "Attached", "SenderTransport", "ReceiverTransport", "attach_first", "names", "candidates", "sender_class",
+    "receiver_class",
 ]

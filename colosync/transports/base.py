@@ -44,13 +44,16 @@ class SenderTransport(ABC):
         """
         return bucket_bytes, slots
 
-    @property
-    @abstractmethod
-    def slot_bytes(self) -> int: ...
+    _slot_bytes: int  # set by every transport's constructor
+    _slots: int
 
     @property
-    @abstractmethod
-    def num_slots(self) -> int: ...
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._slots
 
     @abstractmethod
     def handle(self) -> bytes:

@@ -295,14 +295,6 @@ class CudaIpcSender(SenderTransport):
         log.debug("cuda_ipc: exported %d x %d bytes on cuda:%d", slots, slot_bytes, index)
 
     @property
-    def slot_bytes(self) -> int:
-        return self._slot_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self._slots
-
-    @property
     def nbytes(self) -> int:
         return self._slot_bytes * self._slots
 

@@ -136,14 +136,6 @@ class ShmSender(SenderTransport):
         log.debug("shm: created /dev/shm/%s, %d x %d bytes, pinned=%s", self._name, slots, slot_bytes, self._map.pinned)
 
     @property
-    def slot_bytes(self) -> int:
-        return self._slot_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self._slots
-
-    @property
     def pinned(self) -> bool:
         return self._map.pinned
 

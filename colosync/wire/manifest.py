@@ -11,7 +11,7 @@ JSON, never pickle.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -20,6 +20,17 @@ from colosync.errors import ManifestError
 
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket (and of every bucket's length)."""
+
+MAX_UPDATE_ID = 2**63 - 1
+"""Update ids stay signed 64-bit integers on every wire and in every engine."""
+MAX_NAME = 4096
+MAX_COUNT = 1 << 22  # tensors or buckets in one update
+MAX_DIMS = 16
+MAX_BYTES = 1 << 48  # of one tensor or bucket
+
+UpdateId = Annotated[int, msgspec.Meta(ge=0, le=MAX_UPDATE_ID)]
+Size = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BYTES)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -54,12 +65,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
 class TensorMeta(msgspec.Struct, frozen=True):
     """Where one named tensor lives inside the update's buckets."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    nbytes: int
+    name: Name
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: Annotated[tuple[Size, ...], msgspec.Meta(max_length=MAX_DIMS)]
+    bucket: Annotated[int, msgspec.Meta(ge=0, lt=MAX_COUNT)]
+    offset: Size
+    nbytes: Size
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -89,11 +100,13 @@ class TensorMeta(msgspec.Struct, frozen=True):
 class LoraSpec(msgspec.Struct, frozen=True):
     """The PEFT adapter fields an engine needs to build the adapter."""
 
-    rank: int
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     alpha: float
-    target_modules: tuple[str, ...]
+    target_modules: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=256)], ...], msgspec.Meta(max_length=4096)]
     use_rslora: bool = False
     bias: Literal["none"] = "none"
+    layers: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 16)] | None = None
+    """If set, the adapter wraps its target modules in these layers only (PEFT's ``layers_to_transform``)."""
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
@@ -118,8 +131,8 @@ class Layout(msgspec.Struct, frozen=True, cache_hash=True):
     their per-layout state on it.
     """
 
-    tensors: tuple[TensorMeta, ...]
-    bucket_sizes: tuple[int, ...]
+    tensors: Annotated[tuple[TensorMeta, ...], msgspec.Meta(max_length=MAX_COUNT)]
+    bucket_sizes: Annotated[tuple[Size, ...], msgspec.Meta(max_length=MAX_COUNT)]
 
     def __post_init__(self) -> None:
         _check_layout(self.tensors, self.bucket_sizes)
@@ -135,14 +148,17 @@ class Layout(msgspec.Struct, frozen=True, cache_hash=True):
 class UpdateManifest(msgspec.Struct, frozen=True):
     """Everything the engine must know about an update before its bytes arrive."""
 
-    update_id: int
+    update_id: UpdateId
     kind: Literal["lora", "full"]
     layout: Layout
     lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.update_id <= 0:
-            raise ManifestError(f"update_id must be a positive integer, got {self.update_id}")
+        if not 0 < self.update_id <= MAX_UPDATE_ID:
+            raise ManifestError(
+                f"update_id must be a positive integer below 2**63, got {self.update_id}; let the Sender "
+                "choose ids (it starts above every id the engine has seen)"
+            )
         if (self.kind == "lora") != (self.lora is not None):
             raise ManifestError(
                 f"kind={self.kind!r} with lora={'set' if self.lora else 'missing'}: a LoRA update "

@@ -1,24 +1,50 @@
 """Control messages between a Sender and a Receiver.
 
-Only these typed structs cross the control channel (a pipe, vLLM's collective RPC, a Ray
+Only these typed structs cross the control channel (a socket, vLLM's collective RPC, a Ray
 call); tensor bytes travel through a transport. Messages are tagged msgspec structs encoded
-as msgpack, so decoding can never execute code and a malformed message is rejected with a
-``ManifestError`` before it touches any state.
+as msgpack, so decoding can never execute code. The peer may be hostile or broken, so every
+integer, length and count is bounded where it is declared and *any* failure to decode
+(garbage, truncation, recursion, out-of-range integers, oversize messages) is a
+``ManifestError`` that leaves no state touched, never an exception that ends the engine.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Annotated
+
 import msgspec
 
 from colosync.errors import ColosyncError, ManifestError, error_from_wire
-from colosync.wire.manifest import UpdateManifest
+from colosync.wire.manifest import MAX_NAME, UpdateId, UpdateManifest
+
+MAX_MESSAGE_BYTES = 256 << 20
+"""The largest control message a decoder reads (a manifest of a million tensors fits)."""
+
+Index = Annotated[int, msgspec.Meta(ge=0, lt=2**48)]
+Fingerprint = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Who a client is, sent once per connection: its process (so the engine can tell when it dies)."""
+
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+    host: Text = ""
+    name: Text = ""
 
 
 class Attach(msgspec.Struct, tag="attach", frozen=True):
-    """Open the sender's transport; sent once per sender/receiver pair."""
+    """Open the sender's transport and own the engine's update channel; once per sender.
 
-    transport: str
-    handle: bytes  # the transport's own typed handle, msgpack-encoded by that transport
+    An engine has one owner at a time. ``takeover=True`` ends a live owner's ownership (its
+    in-flight update is aborted); without it a second sender is refused with
+    ``EngineBusyError`` until the owner disconnects or dies.
+    """
+
+    transport: Text
+    handle: Annotated[bytes, msgspec.Meta(max_length=1 << 16)]  # the transport's own typed handle
+    takeover: bool = False
 
 
 class Begin(msgspec.Struct, tag="begin", frozen=True):
@@ -32,12 +58,12 @@ class Stage(msgspec.Struct, tag="stage", frozen=True):
     the bytes were packed; the receiver checks it once the whole bucket has arrived.
     """
 
-    update_id: int
-    bucket: int
-    offset: int
-    nbytes: int
-    slot: int
-    fingerprint: int | None = None
+    update_id: UpdateId
+    bucket: Index
+    offset: Index
+    nbytes: Index
+    slot: Index
+    fingerprint: Fingerprint | None = None
 
     def __post_init__(self) -> None:
         if min(self.bucket, self.offset, self.nbytes, self.slot) < 0:
@@ -45,29 +71,83 @@ class Stage(msgspec.Struct, tag="stage", frozen=True):
 
 
 class Prepare(msgspec.Struct, tag="prepare", frozen=True):
-    update_id: int
+    update_id: UpdateId
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """Proof of delivery: completions with the trainer's own logprobs under the update being sent.
+
+    After commit and before it serves anything else, the engine scores the same completions
+    and compares; a deviation over ``tolerance`` rolls a LoRA update back and fails a full
+    update closed (``DeliveryError``).
+    """
+
+    prompts: Annotated[list[list[int]], msgspec.Meta(max_length=4096)]
+    completions: Annotated[list[list[int]], msgspec.Meta(max_length=4096)]
+    logprobs: Annotated[list[list[float]], msgspec.Meta(max_length=4096)]
+    tolerance: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not self.prompts or not all(self.prompts) or not all(self.completions):
+            raise ManifestError("a Probe needs at least one non-empty prompt and non-empty completions")
+        if not (len(self.prompts) == len(self.completions) == len(self.logprobs)):
+            raise ManifestError(
+                f"a Probe has {len(self.prompts)} prompts, {len(self.completions)} completions and "
+                f"{len(self.logprobs)} logprob rows; give one completion and one logprob row per prompt"
+            )
+        for i, (completion, row) in enumerate(zip(self.completions, self.logprobs, strict=True)):
+            if len(completion) != len(row):
+                raise ManifestError(f"Probe row {i}: {len(completion)} completion tokens but {len(row)} logprobs")
+        if not (self.tolerance > 0 and math.isfinite(self.tolerance)):
+            raise ManifestError(f"Probe tolerance must be a positive number, got {self.tolerance}")
 
 
 class Commit(msgspec.Struct, tag="commit", frozen=True):
-    update_id: int
+    update_id: UpdateId
+    probe: Probe | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
-    update_id: int
-    reason: str = ""
+    update_id: UpdateId
+    reason: Text = ""
+
+
+class Detach(msgspec.Struct, tag="detach", frozen=True):
+    """The owner is done (``Sender.close``): drop its transport and let another sender attach."""
+
+    reason: Text = ""
+
+
+class Revert(msgspec.Struct, tag="revert", frozen=True):
+    """Undo committed update ``update_id`` (it failed verification): reinstate the previous version,
+    or, where the engine cannot (a full update), stop serving until a verified update commits."""
+
+    update_id: UpdateId
+    reason: Text = ""
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
     """Ask which update the engine serves."""
 
 
-TransactionRequest = Attach | Begin | Stage | Prepare | Commit | Abort | Status
+TransactionRequest = Attach | Detach | Begin | Stage | Prepare | Commit | Abort | Revert | Status
+
+
+class Delivery(msgspec.Struct, frozen=True):
+    """What the engine checked after installing an update (``Ack.delivery`` of a Commit)."""
+
+    changed: int  # modules (LoRA) or parameters/layers (full) the engine actually changed
+    expected: int  # what the manifest says should change
+    max_deviation: float | None = None  # the probe's largest |logprob difference|; None: no probe
+    seconds: float = 0.0  # what verification cost on the engine
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     committed_update_id: int
     in_flight_update_id: int | None = None
     highest_update_id: int = 0  # the largest id ever begun; a new update must exceed it
+    serving: bool = True  # False: failed closed after a full update that did not verify
+    delivery: Delivery | None = None
 
     def next_update_id(self) -> int:
         return max(self.committed_update_id, self.in_flight_update_id or 0, self.highest_update_id) + 1
@@ -76,15 +156,18 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
 class Failed(msgspec.Struct, tag="failed", frozen=True):
     error: str  # the exception type's name, e.g. "ShapeMismatchError"
     message: str
+    status: Ack | None = None  # the engine's state after the failure (a stale sender resynchronises from it)
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> "Failed":
+    def from_exception(cls, exc: BaseException, status: Ack | None = None) -> Failed:
         name = type(exc).__name__ if isinstance(exc, ColosyncError) else "EngineError"
         message = str(exc) if isinstance(exc, ColosyncError) else f"{type(exc).__name__}: {exc}"
-        return cls(error=name, message=message)
+        return cls(error=name, message=message, status=status)
 
     def to_exception(self) -> ColosyncError:
-        return error_from_wire(self.error, self.message)
+        exc = error_from_wire(self.error, self.message)
+        exc.status = self.status  # type: ignore[attr-defined]  # read by a Sender resynchronising its ids
+        return exc
 
 
 class _RepeatedBegin:
@@ -158,6 +241,9 @@ class Codec:
         return self._encoder.encode(message)
 
     def decode(self, data: bytes):  # noqa: ANN201 - returns a member of the union
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ManifestError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}; "
+                                "split the update (fewer tensors per manifest)")
         if len(data) > 256:  # only a manifest is that long
             repeated = self._received.decode(data)
             if repeated is not None:
@@ -166,6 +252,10 @@ class Codec:
             message = self._decoder.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ManifestError(f"malformed control message: {exc}") from None
+        except ColosyncError:
+            raise
+        except Exception as exc:  # RecursionError, OverflowError, MemoryError...: hostile input, never fatal
+            raise ManifestError(f"malformed control message ({type(exc).__name__}: {exc})") from None
         if type(message) is Begin:
             self._received.remember(bytes(data), message)
         return message

@@ -51,11 +51,16 @@ def stage_all(receiver, transport, m, named):
 NAMED = [("a", torch.arange(6.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
 
 
+def begin_and_stage(receiver, transport, uid: int = 1, named=NAMED) -> UpdateManifest:
+    m = manifest(uid, named)
+    receiver.handle(Begin(m))
+    stage_all(receiver, transport, m, named)
+    return m
+
+
 def test_full_cycle_then_state_is_clean(rig):
     store, receiver, transport = rig
-    m = manifest(1, NAMED)
-    receiver.handle(Begin(m))
-    stage_all(receiver, transport, m, NAMED)
+    begin_and_stage(receiver, transport)
     receiver.handle(Prepare(1))
     assert store.tensors == {}  # prepared is not served
     ack = receiver.handle(Commit(1))
@@ -109,7 +114,7 @@ def test_silent_sender_times_out_and_frees(rig):
     m = manifest(1, NAMED)
     receiver.handle(Begin(m))
     stage_all(receiver, transport, m, NAMED)
-    tx = receiver._inflight
+    tx = receiver._inflight.landing
     assert tx.buffers and tx.tensors
     receiver.check_timeout(now=time.monotonic() + 6.0)
     assert receiver.in_flight is None and not tx.buffers and not tx.tensors
@@ -120,9 +125,7 @@ def test_silent_sender_times_out_and_frees(rig):
 
 def test_abort_discards_a_prepared_update_and_is_idempotent(rig):
     store, receiver, transport = rig
-    m = manifest(1, NAMED)
-    receiver.handle(Begin(m))
-    stage_all(receiver, transport, m, NAMED)
+    begin_and_stage(receiver, transport)
     receiver.handle(Prepare(1))
     receiver.handle(Abort(1, "changed my mind"))
     receiver.handle(Abort(1, "again"))
@@ -137,6 +140,7 @@ def test_sender_aborts_when_its_source_fails(rig):
         yield "a", NAMED[0][1]
         raise RuntimeError("trainer crashed while gathering")
 
+    receiver.detach()  # the rig's hand-attached transport makes way for a Sender
     with Sender(LocalLink(receiver), transport="shm") as sender:
         with pytest.raises(RuntimeError, match="gathering"):
             sender.push_stream([(n, tuple(t.shape), t.dtype) for n, t in NAMED], broken())
@@ -173,6 +177,7 @@ def test_a_restarted_sender_does_not_join_an_abandoned_update(rig):
     receiver.handle(Begin(m))  # a sender that began, staged and vanished (no disconnect signal here)
     stage_all(receiver, transport, m, [(n, torch.zeros_like(t)) for n, t in NAMED])
     sevens = [(n, torch.full_like(t, 7)) for n, t in NAMED]
+    receiver.detach()  # the rig's hand-attached transport makes way for a Sender
     with Sender(LocalLink(receiver), transport="shm") as sender:
         report = sender.push(sevens)
     assert report.update_id == 2 and receiver.committed_update_id == 2
@@ -193,6 +198,7 @@ def test_stage_is_refused_past_a_complete_bucket_or_a_slot(rig):
 
 def test_an_arena_sender_refuses_to_overwrite_its_arena(rig):
     _, receiver, _ = rig
+    receiver.detach()  # the rig's hand-attached transport makes way for a Sender
     with Sender(LocalLink(receiver), transport="shm") as sender:
         [a] = sender.arena([("a", (4,), torch.float32)], "cpu")
         a.fill_(1.0)

@@ -1,7 +1,7 @@
 """On a CUDA host: cuda_ipc for real, pinned chunked shm, the arena, probe and bench end to end.
 
 Run with ``pytest -m gpu``; skipped without CUDA (see ``tests/conftest.py``). The transport
-contract suite (``tests/test_transport_contract.py``) runs its ``cuda`` cases on such a host too.
+contract suite (``tests/transports/test_contract.py``) runs its ``cuda`` cases on such a host too.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_real_ipc_open_failure_falls_back_to_shm(sink, monkeypatch, caplog):
         return cuda_ipc.msgspec.msgpack.encode(cuda_ipc.msgspec.structs.replace(h, handle=bad))
 
     monkeypatch.setattr(CudaIpcSender, "handle", corrupted)
-    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.transports")
     with Sender(sink.connect(), bucket_bytes=1 << 20) as sender:
         named = named_tensors(11)
         assert sender.push(named).transport == "shm"

@@ -47,7 +47,7 @@ def test_cuda_ipc_is_tried_first():
 
 
 def test_auto_falls_back_to_shm_when_the_engine_cannot_open_cuda_ipc(forced_ipc, store_engine, caplog):
-    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.transports")
     with Sender(store_engine.connect(), transport="auto", bucket_bytes=4096) as sender:
         report = sender.push(NAMED)
         assert report.transport == "shm"
@@ -69,7 +69,7 @@ def test_forced_cuda_ipc_fails_loudly_instead_of_falling_back(forced_ipc, store_
 
 
 def test_cpu_tensors_pass_over_cuda_ipc_with_the_reason(store_engine, caplog):
-    caplog.set_level(logging.INFO, logger="colosync.sync.sender")
+    caplog.set_level(logging.INFO, logger="colosync.transports")
     with Sender(store_engine.connect(), bucket_bytes=4096) as sender:
         assert sender.push(NAMED).transport == "shm"
     assert any("passed over 'cuda_ipc': the tensors are on cpu" in r.getMessage() for r in caplog.records)
@@ -80,7 +80,11 @@ def test_disabled_by_environment(monkeypatch):
     ok, why = CudaIpcSender.available(torch.device("cuda"))
     assert not ok and cuda_ipc.DISABLE_ENV in why
     with pytest.raises(TransportUnavailable, match="cannot run here"):
-        Sender(None, transport="cuda_ipc")._ensure_transport(torch.device("cuda"), None)
+        transports.attach_first("cuda_ipc", torch.device("cuda"), 4096, 1, attach=_never_called)
+
+
+def _never_called(name: str, handle: bytes) -> None:
+    raise AssertionError(f"{name} must not reach the engine")
 
 
 def test_malformed_handle_is_a_transport_error():

@@ -1,0 +1,476 @@
+"""Where an update's bytes land in engine memory, and how they are checked on the way in.
+
+Why it is built this way:
+
+- The hot path runs once per Stage, never once per tensor. What depends only on the layout
+  (which tensors share a bucket, the float runs the non-finite check reads, typed views of a
+  slot) is worked out once per ``Layout`` and kept in a ``LayoutPlan``. A sender repeats one
+  layout update after update, and a ``Layout`` is frozen, hashed once and shared by identity,
+  so an update after the first finds its plan with one dict lookup and lands each bucket
+  with one fused copy.
+- The destination sets the strategy, once per update, because it is the engine that decides
+  where bytes may go: an engine that lends nothing gets buffers the Receiver allocates and
+  hands out views of (``OwnedLanding``); one that lends per-bucket flat buffers gets one flat
+  copy per bucket (``BucketLanding``); one that lends only tensors gets each bucket copied
+  straight out of the transport slot into them (``TensorLanding``). That last copy reads
+  typed views of the whole bucket on the device, so a bucket that arrives in host memory or
+  in pieces is assembled first in the bounce buffer: one bucket of device memory, kept
+  between updates (and grown to the largest bucket that needed it) rather than allocated
+  per update.
+- Chunk order is checked here (``Landing.admit``) because the landing is what knows how many
+  bytes of each bucket have arrived; a chunk out of place is refused before anything lands,
+  so the update stays in flight and the sender can still abort it cleanly.
+- A cached view is only as good as the memory it looks into: slot views until the next
+  attach, bounce views until the bounce buffer grows. ``ViewKey`` says which memory a view
+  list belongs to, so each event drops exactly the views it invalidates (an id-based key
+  could be reused by a new allocation and hand out views of freed memory).
+- On a GPU nothing waits on the host mid-update except the flow control below: each bucket's
+  fingerprint and non-finite flag go into one device tensor as its bytes land and are read
+  back in one transfer at ``prepare``. On the CPU there is nothing to overlap, so each bucket
+  is checked as it completes. A flagged bucket is re-checked tensor by tensor, so the error
+  names the tensors and NaN bits in padding do not reject an update.
+- The ``Fence`` is what lets the sender reuse a slot: with two or more slots a Stage is
+  acknowledged as soon as the previous Stage's copies have finished, so the copy of one chunk
+  overlaps the arrival of the next (``transports.base`` says what an acknowledgement
+  promises); with one slot, once its own have.
+
+One module on purpose (~470 lines): the three landing strategies share the per-layout plans,
+the view caches, the bounce buffer and the fence, and the invariants between them (which
+cache a new transport or a grown buffer voids) are only checkable with all of it in view.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import torch
+
+from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteError, TransactionStateError
+from colosync.sync.target import Staging
+from colosync.wire import fused
+from colosync.wire.bucket import tensor_views, typed_views
+from colosync.wire.manifest import Layout, TensorMeta, UpdateManifest
+from colosync.wire.protocol import Stage
+
+if TYPE_CHECKING:
+    from colosync.sync.receiver import ReceiverPolicy
+    from colosync.transports.base import ReceiverTransport
+
+SLOT = "slot"
+BOUNCE = "bounce"
+
+
+class ViewKey(NamedTuple):
+    """The memory a cached list of typed views looks into."""
+
+    source: str  # SLOT (a transport slot) or BOUNCE (the bounce buffer)
+    index: int = 0  # the slot's index; 0 for the bounce buffer
+
+
+class BucketPlan:
+    """What landing one bucket of a layout needs, computed once per layout."""
+
+    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views")
+
+    def __init__(self, size: int, indices: list[int], metas: list[TensorMeta]) -> None:
+        self.size, self.indices, self.metas = size, indices, metas
+        self.names = [m.name for m in metas]
+        self.single = len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == size
+        self.segments = fused.segments(metas, size)  # None: check finiteness tensor by tensor (fp8)
+        self.views: dict[ViewKey, list[torch.Tensor]] = {}
+
+    def typed(self, key: ViewKey, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of this bucket's tensors inside ``buffer``, built once per ``key``."""
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = typed_views(buffer, self.metas)
+        return views
+
+    def forget(self, source: str) -> None:
+        for key in [k for k in self.views if k.source == source]:
+            del self.views[key]
+
+
+class LayoutPlan:
+    """The receive plan of one layout, shared by every update that repeats it."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.names = tuple(t.name for t in layout.tensors)
+        members: list[list[int]] = [[] for _ in layout.bucket_sizes]
+        for i, t in enumerate(layout.tensors):
+            members[t.bucket].append(i)
+        self.buckets = [
+            BucketPlan(size, idx, [layout.tensors[i] for i in idx]) for size, idx in zip(layout.bucket_sizes, members)
+        ]
+        self.validated: set[tuple] = set()  # (kind, lora) pairs the engine has accepted with this layout
+
+
+class Plans:
+    """The plans of the most recently used layouts, keyed by the ``Layout`` itself."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._plans: OrderedDict[Layout, LayoutPlan] = OrderedDict()
+
+    def get(self, layout: Layout) -> LayoutPlan:
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = self._plans[layout] = LayoutPlan(layout)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(layout)
+        return plan
+
+    def __contains__(self, layout: Layout) -> bool:
+        return layout in self._plans
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def forget_views(self, source: str) -> None:
+        for plan in self._plans.values():
+            for bucket in plan.buckets:
+                bucket.forget(source)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+class Fence:
+    """Waits for the device copies a Stage issued before its slot may be reused (no-op off CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lag = False  # acknowledge a Stage before its copy is done (2+ slots)
+        self._pending: Any = None  # CUDA event after the last Stage's copies
+
+    def staged(self) -> None:
+        """After a Stage's copies: wait for the previous Stage's (or this one's, with one slot)."""
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        previous, self._pending = self._pending, event
+        if previous is not None:
+            previous.synchronize()
+        if not self.lag:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for every copy issued so far: all slots (and the bounce buffer) are free after it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.synchronize()
+
+
+class BounceBuffer:
+    """One bucket of device memory, kept between updates, grown to the largest bucket that needs it."""
+
+    def __init__(self, device: torch.device, fence: Fence, plans: Plans) -> None:
+        self.device, self._fence, self._plans = device, fence, plans
+        self.tensor: torch.Tensor | None = None
+
+    def get(self, size: int) -> torch.Tensor:
+        if self.tensor is None or self.tensor.numel() < size:
+            self._fence.drain()  # a lagging copy may still read the old buffer
+            self.release()
+            self.tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.tensor
+
+    def release(self) -> None:
+        self.tensor = None
+        self._plans.forget_views(BOUNCE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() if self.tensor is not None else 0
+
+
+class Lander:
+    """What the Receiver keeps between updates to land bytes: plans, the bounce buffer, the fence."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.plans = Plans()
+        self.fence = Fence(device)
+        self.bounce = BounceBuffer(device, self.fence, self.plans)
+
+    def attached(self, num_slots: int) -> None:
+        """A new transport is open: views of the old one's slots are void."""
+        self.fence.lag = num_slots >= 2
+        self.plans.forget_views(SLOT)
+
+    def open(self, manifest: UpdateManifest, plan: LayoutPlan, lent: Any, policy: ReceiverPolicy) -> Landing:
+        """The landing for one update, given what the engine's ``staging()`` lent (``None``: nothing)."""
+        if lent is None:
+            return OwnedLanding(self, manifest, plan, policy)
+        tensors, flats = (lent.tensors, lent.buckets) if isinstance(lent, Staging) else (lent, None)
+        if not isinstance(tensors, list):
+            tensors = list(tensors)
+        if len(tensors) != len(manifest.tensors) or (flats is not None and len(flats) != len(manifest.bucket_sizes)):
+            raise TransactionStateError(
+                f"the engine lent {len(tensors)} staging tensors for an update of {len(manifest.tensors)}; "
+                "staging() must return one per manifest tensor, in order (and one buffer per bucket)"
+            )
+        if flats is not None:
+            return BucketLanding(self, manifest, plan, policy, tensors, flats)
+        return TensorLanding(self, manifest, plan, policy, tensors)
+
+    def close(self) -> None:
+        self.fence.drain()
+        self.plans.clear()
+        self.bounce.release()
+
+
+Verdict = tuple[int, torch.Tensor, "int | None"]  # (bucket, [fingerprint, non-finite] (lazy), sent fingerprint)
+
+
+class Landing(abc.ABC):
+    """One update's bytes on their way in: where each bucket lands and what it was checked to be.
+
+    A subclass per destination kind says where a chunk goes (``_land``); the strategies it
+    picks from are the methods ``_into_flat``, ``_from_slot`` and ``_via_bounce``.
+    """
+
+    kind: ClassVar[str]  # "owned", "buckets" or "tensors": what the engine lent
+
+    def __init__(self, lander: Lander, manifest: UpdateManifest, plan: LayoutPlan, policy: ReceiverPolicy,
+                 staging: list[torch.Tensor] | None = None) -> None:
+        self.manifest, self.plan, self.staging = manifest, plan, staging
+        self._lander = lander
+        self._fingerprints = policy.verify_fingerprints
+        self._finite = policy.reject_nonfinite
+        self._check = self._fingerprints or self._finite
+        self._on_device = self._check and lander.device.type == "cuda"  # verdicts wait on the device
+        self.received: dict[int, int] = {}  # bucket -> bytes landed so far
+        self.buffers: dict[int, torch.Tensor] = {}  # Receiver-owned bucket buffers (OwnedLanding)
+        self.tensors: dict[str, torch.Tensor] = {}  # what ``prepare`` hands the engine
+        self.deferred: list[Verdict] = []  # device verdicts to read at ``prepare``
+        self.results: torch.Tensor | None = None  # one zeroed [fingerprint, non-finite] row per bucket
+
+    @property
+    def update_id(self) -> int:
+        return self.manifest.update_id
+
+    def admit(self, msg: Stage, transport: ReceiverTransport) -> torch.Tensor | None:
+        """The chunk's bytes in its slot, once it is known to fit the slot and continue its bucket."""
+        sizes = self.manifest.bucket_sizes
+        if msg.bucket >= len(sizes):
+            raise ManifestError(f"stage names bucket {msg.bucket} but update {msg.update_id} has {len(sizes)}")
+        size, done = sizes[msg.bucket], self.received.get(msg.bucket, 0)
+        if size and done == size:
+            raise ManifestError(f"bucket {msg.bucket} of update {msg.update_id} is already complete; stage it once")
+        slot = transport.slot(msg.slot)
+        if msg.nbytes > slot.numel():
+            raise ManifestError(
+                f"stage of {msg.nbytes} bytes exceeds transport slot {msg.slot}; chunk buckets by the slot size"
+            )
+        if msg.offset != done or msg.offset + msg.nbytes > size:
+            raise ManifestError(
+                f"bucket {msg.bucket}: chunk [{msg.offset}, {msg.offset + msg.nbytes}) does not continue "
+                f"the {done} bytes received of {size}; chunks must arrive in order"
+            )
+        if not msg.nbytes:
+            return None
+        return slot if msg.nbytes == slot.numel() else slot[: msg.nbytes]
+
+    def land(self, msg: Stage, src: torch.Tensor | None) -> None:
+        """Land one admitted chunk; at a bucket's last, fingerprint and check it (one pass on a GPU)."""
+        b = self.plan.buckets[msg.bucket]
+        last = msg.offset + msg.nbytes == b.size
+        row = self._row(msg.bucket) if last and self._on_device else None
+        checked, result = self._land(b, msg, src, last, row)
+        if last:
+            self._landed(msg, b, checked, result, row)
+        self.received[msg.bucket] = msg.offset + msg.nbytes
+
+    def missing_buckets(self) -> list[int]:
+        return [b for b, size in enumerate(self.manifest.bucket_sizes) if self.received.get(b, 0) != size]
+
+    def verify(self) -> None:
+        """Read the verdicts deferred on the device (one transfer) and raise the first failure."""
+        self._verify(self.deferred)
+        self.deferred.clear()
+
+    def engine_tensors(self) -> dict[str, torch.Tensor]:
+        """The update's tensors by name, for ``EngineTarget.prepare``."""
+        if self.staging is not None:
+            self.tensors = dict(zip(self.plan.names, self.staging))
+        return self.tensors
+
+    def release(self) -> None:
+        """Let go of everything this update staged."""
+        self.buffers.clear()
+        self.tensors.clear()
+        self.staging = None
+        self.deferred.clear()
+        self.results = None
+
+    # -- strategies ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Put one chunk where this destination wants it; return (the bucket's bytes, its verdict)."""
+
+    def _into_flat(self, flat: torch.Tensor, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+                   row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
+        if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
+            return flat, fused.copy_check(src, flat, self._segments(b), out=row)  # copy + fingerprint + check
+        if src is not None:
+            flat[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=flat.is_cuda)
+        if last and self._check and b.size:
+            return flat, fused.copy_check(flat, None, self._segments(b), out=row)
+        return flat, None
+
+    def _from_slot(self, b: BucketPlan, msg: Stage, src: torch.Tensor,
+                   row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole bucket is in a slot on the device: check it there, then one fused copy out."""
+        result = fused.copy_check(src, None, self._segments(b), out=row) if self._check else None
+        self._scatter(b, b.typed(ViewKey(SLOT, msg.slot), src))
+        return src, result
+
+    def _via_bounce(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+                    row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Assemble the bucket in the bounce buffer; once whole, check it and copy it out in one go."""
+        bounce = self._lander.bounce.get(b.size)
+        if src is not None:
+            bounce[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=bounce.is_cuda)
+        checked = bounce[: b.size]
+        result = None
+        if last and b.size:
+            if self._check:
+                result = fused.copy_check(checked, None, self._segments(b), out=row)
+            self._scatter(b, b.typed(ViewKey(BOUNCE), checked))
+        return checked, result
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _scatter(self, b: BucketPlan, views: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([self.staging[i] for i in b.indices], views, non_blocking=True)
+
+    def _segments(self, b: BucketPlan) -> list | None:
+        return b.segments if self._finite else None
+
+    def _row(self, bucket: int) -> torch.Tensor:
+        if self.results is None:
+            self.results = torch.zeros(len(self.plan.buckets), 2, dtype=torch.int64, device=self._lander.device)
+        return self.results[bucket]
+
+    def _landed(self, msg: Stage, b: BucketPlan, checked: torch.Tensor, result: torch.Tensor | None,
+                row: torch.Tensor | None) -> None:
+        """A bucket is complete in ``checked``: publish it and check (or queue the check of) it."""
+        self._publish(b, checked)
+        if self._finite and b.segments is None:  # fp8 has no device check: tensor by tensor
+            check_finite(self._bucket_tensors(b), self.update_id)
+        if not self._check:
+            return
+        if result is None:  # an empty bucket: its fingerprint is 0
+            result = fused.copy_check(checked[:0], None, None, out=row)
+        item = (msg.bucket, result, msg.fingerprint)
+        if result.is_cuda:
+            self.deferred.append(item)  # read at prepare, all buckets at once
+        else:
+            self._verify([item])
+
+    def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:
+        """Make a complete bucket's tensors visible to ``prepare`` (staged ones already are)."""
+
+    def _bucket_tensors(self, b: BucketPlan) -> dict[str, torch.Tensor]:
+        return dict(zip(b.names, (self.staging[i] for i in b.indices)))
+
+    def _verify(self, items: list[Verdict]) -> None:
+        """Read the verdicts ([fingerprint, non-finite] per bucket) in one transfer; raise the first."""
+        if not items:
+            return
+        results = self.results
+        if results is not None and all(r.data_ptr() == results[b].data_ptr() for b, r, _ in items):
+            rows = results.tolist()  # one transfer for the whole update
+            values = [rows[b] for b, _, _ in items]
+        else:
+            values = torch.stack([result for _, result, _ in items]).tolist()
+        for (bucket, _, sent), (got, bad) in zip(items, values):
+            if self._fingerprints and (sent is None or got != sent):
+                raise fingerprint_error(self.update_id, bucket, got, sent)
+            if bad and self._finite:
+                # Name the tensors; a bucket flagged only for its padding passes.
+                check_finite(self._bucket_tensors(self.plan.buckets[bucket]), self.update_id)
+
+
+class OwnedLanding(Landing):
+    """The engine lends nothing: one Receiver-owned buffer per bucket, handed out as views."""
+
+    kind = "owned"
+
+    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        buffer = self.buffers.get(msg.bucket)
+        if buffer is None:
+            buffer = self.buffers[msg.bucket] = torch.empty(b.size, dtype=torch.uint8, device=self._lander.device)
+        return self._into_flat(buffer, b, msg, src, last, row)
+
+    def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:
+        self.tensors.update(tensor_views(checked, b.metas))
+
+    def _bucket_tensors(self, b: BucketPlan) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name] for name in b.names}
+
+
+class BucketLanding(Landing):
+    """The engine lends per-bucket flat buffers that are its tensors' storage: one flat copy per bucket."""
+
+    kind = "buckets"
+
+    def __init__(self, lander: Lander, manifest: UpdateManifest, plan: LayoutPlan, policy: ReceiverPolicy,
+                 staging: list[torch.Tensor], flats: Any) -> None:
+        super().__init__(lander, manifest, plan, policy, staging)
+        self.flats = flats
+
+    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._into_flat(self.flats[msg.bucket], b, msg, src, last, row)
+
+    def release(self) -> None:
+        super().release()
+        self.flats = None
+
+
+class TensorLanding(Landing):
+    """The engine lends only tensors: copy each bucket into them from the slot (or the bounce buffer)."""
+
+    kind = "tensors"
+
+    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
+              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if b.single:  # the tensor is the whole bucket: land flat in it
+            tensor = self.staging[b.indices[0]]
+            if tensor.is_contiguous():
+                return self._into_flat(tensor.reshape(-1).view(torch.uint8), b, msg, src, last, row)
+        if last and msg.offset == 0 and src is not None and src.device == self._lander.device:
+            return self._from_slot(b, msg, src, row)
+        return self._via_bounce(b, msg, src, last, row)
+
+
+def fingerprint_error(update_id: int, bucket: int, got: int, sent: int | None) -> FingerprintMismatchError:
+    return FingerprintMismatchError(
+        f"update {update_id} bucket {bucket}: fingerprint {got} != sent {sent}; the "
+        "bytes changed in transit (was the slot overwritten before it was acknowledged?)"
+    )
+
+
+def check_finite(views: dict[str, torch.Tensor], update_id: int) -> None:
+    """Raise ``NonFiniteError`` naming the tensors of ``views`` that hold NaN or Inf."""
+    floats = [(n, t if t.dtype.itemsize > 1 else t.float()) for n, t in views.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    maxes = torch._foreach_norm([t for _, t in floats], float("inf"))
+    bad = ~torch.stack([m.float() for m in maxes]).isfinite()
+    if bool(bad.any()):
+        names = [floats[i][0] for i in bad.nonzero().flatten().tolist()]
+        raise NonFiniteError(
+            f"update {update_id}: tensors {names[:5]} hold NaN or Inf; fix the training step, or start "
+            "the engine with ReceiverPolicy(reject_nonfinite=False) to accept them"
+        )

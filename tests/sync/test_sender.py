@@ -1,0 +1,422 @@
+"""The Sender: its per-update shortcuts never change what arrives, its slot pipeline, attaching.
+
+Plans, padding and slot sizing; ``SlotPipeline`` on its own (which slot each chunk takes and
+which replies are read before a slot is reused); view caches dropped with their buffers; and
+``transports.attach_first``, the one place a transport is picked.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from colosync import transports
+from colosync.engines.sink import SinkEngine
+from colosync.errors import (ConfigError, EngineBusyError, FingerprintMismatchError, TransportError,
+                             TransportUnavailable)
+from colosync.sync.link import Done, LocalLink
+from colosync.sync.pipeline import SlotPipeline
+from colosync.sync.plan import STAGING, ViewKey
+from colosync.sync.receiver import Receiver
+from colosync.sync.sender import Sender
+from colosync.transports.base import SenderTransport
+from colosync.wire.bucket import plan_buckets
+from colosync.wire.manifest import UpdateManifest
+from colosync.wire.protocol import Abort, Ack, Attach, Begin, Commit, Detach, Prepare, Stage, Status
+
+
+@pytest.fixture
+def sink():
+    """A sink engine behind a Receiver in this process: ``(engine, link)``."""
+    engine = SinkEngine()
+    receiver = Receiver(engine, "cpu")
+    yield engine, LocalLink(receiver)
+    receiver.close()
+
+
+def test_plan_is_reused_and_padding_is_zeroed_in_the_slot(sink):
+    engine, link = sink
+    with Sender(link, transport="shm", bucket_bytes=4096) as sender:
+        named = [("a", torch.randn(3)), ("b", torch.ones(5, dtype=torch.bfloat16)), ("c", torch.arange(7))]
+        sender.push(named)
+        plan = sender._plans.last
+        sender.transport.slot(0).fill_(0xFF)  # leftovers of some other layout
+        named2 = [(n, t * 2) for n, t in named]
+        sender.push(named2)
+        assert sender._plans.last is plan  # same layout: planned once
+        slot = sender.transport.slot(0)
+        for start, end in plan.gaps[0]:
+            assert not slot[start:end].any(), "padding must be zero so the engine's checks see clean runs"
+        for name, t in named2:
+            assert torch.equal(engine.tensors[name], t)
+        sender.push([("a", torch.randn(4))])  # another layout
+        assert sender._plans.last is not plan and list(engine.tensors) == ["a"]
+
+
+def test_transport_is_no_bigger_than_the_first_update_needs(sink):
+    _, link = sink
+    with Sender(link, transport="shm", bucket_bytes=64 << 20, slots=2) as sender:
+        sender.push([("w", torch.zeros(1000))])
+        assert sender.transport.slot_bytes * sender.transport.num_slots <= 1 << 16
+        sender.push([("w", torch.zeros(100_000)), ("v", torch.zeros(10))])  # bigger later: chunked, still right
+
+
+# -- the slot pipeline, alone ------------------------------------------------------------------
+class _Reply:
+    """A pending reply that logs when it is read, and raises ``error`` then if given one."""
+
+    def __init__(self, label: str, events: list, error: Exception | None = None) -> None:
+        self.label, self.events, self.error = label, events, error
+
+    def wait(self) -> Ack:
+        self.events.append(("read", self.label))
+        if self.error is not None:
+            raise self.error
+        return Ack(committed_update_id=0)
+
+
+class _Engine:
+    """Stands in for ``Link.submit``: logs what is sent and answers with ``_Reply``s."""
+
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
+        self.events: list[tuple] = []
+        self.sent: list = []
+        self.fail = fail or {}
+
+    def submit(self, request) -> _Reply:  # noqa: ANN001
+        label = f"S{request.bucket}" if isinstance(request, Stage) else type(request).__name__
+        self.events.append(("send", label))
+        self.sent.append(request)
+        return _Reply(label, self.events, self.fail.get(label))
+
+
+def _run_pipeline(slots: int, chunks: int, engine: _Engine) -> SlotPipeline:
+    pipe = SlotPipeline(slots, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))))
+    for chunk in range(chunks):  # one chunk per bucket, so Stage k is bucket k
+        slot = pipe.acquire()
+        engine.events.append(("slot", slot))
+        pipe.put(Stage(1, chunk, 0, 64, slot, None))
+    pipe.finish(Prepare(1), Commit(1))
+    return pipe
+
+
+def _ev(text: str) -> list[tuple]:
+    """``"send:Begin slot:0 read:S0"`` -> ``[("send", "Begin"), ("slot", 0), ("read", "S0")]``."""
+    out: list[tuple] = []
+    for word in text.split():
+        kind, what = word.split(":")
+        out.append((kind, int(what) if kind == "slot" else what))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("slots", "chunks", "expected"),
+    [
+        # One slot: the reply to a chunk's own Stage frees its slot.
+        (1, 3, "send:Begin slot:0 send:S0 read:Begin read:S0 slot:0 send:S1 read:S1 slot:0 "
+               "send:S2 send:Prepare send:Commit read:S2 read:Prepare read:Commit"),
+        # Two slots: reusing chunk u's slot needs the reply to Stage u + 1 (acknowledgements lag by one).
+        (2, 4, "send:Begin slot:0 slot:1 send:S0 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 read:S2 "
+               "slot:1 send:S3 send:Prepare send:Commit read:S3 read:Prepare read:Commit"),
+        (3, 5, "send:Begin slot:0 slot:1 send:S0 slot:2 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 "
+               "read:S2 slot:1 send:S3 send:S4 send:Prepare send:Commit read:S3 read:S4 read:Prepare read:Commit"),
+    ],
+    ids=["1-slot", "2-slots", "3-slots"],
+)
+def test_pipeline_reuses_slots_in_order_and_reads_replies_only_when_a_slot_is_reused(slots, chunks, expected):
+    engine = _Engine()
+    _run_pipeline(slots, chunks, engine)
+    assert engine.events == _ev(expected)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 4])
+def test_pipeline_reads_exactly_the_replies_the_lag_rule_needs(slots):
+    """Before chunk c reuses the slot chunk u wrote: replies through Stage u + lag read, none later."""
+    engine = _Engine()
+    _run_pipeline(slots, 11, engine)
+    lag = 1 if slots >= 2 else 0
+    read: list[str] = []
+    last_use: dict[int, int] = {}
+    chunk = 0
+    for kind, what in engine.events:
+        if kind == "read":
+            read.append(what)
+        elif kind == "slot":
+            assert what == chunk % slots  # round robin
+            if what in last_use:
+                need = last_use[what] + lag
+                assert read == ["Begin"] + [f"S{k}" for k in range(need + 1)], (chunk, read)
+            else:
+                assert read == [], "no reply is read before a slot must be reused"
+            last_use[what] = chunk
+            chunk += 1
+    assert read == ["Begin"] + [f"S{k}" for k in range(11)] + ["Prepare", "Commit"]
+
+
+def test_pipeline_holds_one_chunk_back_then_flushes_and_fingerprints_it():
+    engine = _Engine()
+    flushed: list[int] = []
+    pipe = SlotPipeline(2, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))),
+                        flush=lambda: flushed.append(len(engine.sent)))
+    pipe.put(Stage(1, 0, 0, 64, pipe.acquire(), None), None, torch.tensor(1234))
+    assert [type(r).__name__ for r in engine.sent] == ["Begin"]  # held until the next chunk is written
+    pipe.put(Stage(1, 1, 0, 64, pipe.acquire(), None), None, 7)
+    assert engine.sent[1].fingerprint == 1234 and flushed == [1]  # flushed before the Stage went out
+    pipe.finish(Prepare(1), Commit(1))
+    assert engine.sent[2].fingerprint == 7 and flushed == [1, 2]
+    assert set(pipe.timer.seconds) == {"pack", "transfer", "stage", "prepare", "commit"}
+
+
+def test_pipeline_raises_the_first_failed_reply_when_it_must_read_it():
+    engine = _Engine(fail={"S1": FingerprintMismatchError("bucket 1 arrived corrupted")})
+    pipe = SlotPipeline(2, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))))
+    for _ in range(2):
+        pipe.put(Stage(1, pipe.chunks, 0, 64, pipe.acquire(), None))
+    with pytest.raises(FingerprintMismatchError, match="bucket 1"):
+        pipe.acquire()  # slot 0 again: needs the reply to Stage 1
+
+
+class _FailingStageLink(LocalLink):
+    """A real Receiver behind it, but the reply to Stage ``fail_at`` (counted from 0) fails."""
+
+    def __init__(self, receiver: Receiver, fail_at: int) -> None:
+        super().__init__(receiver)
+        self.fail_at, self.stages, self.requests = fail_at, 0, []
+
+    def submit(self, request):  # noqa: ANN001, ANN201
+        self.requests.append(request)
+        if isinstance(request, Stage):
+            self.stages += 1
+            if self.stages - 1 == self.fail_at:
+                return Done(error=TransportError("the engine lost slot 1"))
+        return super().submit(request)
+
+
+def test_a_failed_reply_aborts_the_update_and_reraises(sink):
+    engine, local = sink
+    link = _FailingStageLink(local.receiver, fail_at=1)
+    named = [(f"t{i}", torch.full((1000,), float(i))) for i in range(6)]  # 6 buckets of 4 KiB
+    with Sender(link, transport="shm", bucket_bytes=4096) as sender:
+        with pytest.raises(TransportError, match="lost slot 1"):
+            sender.push(named)
+        aborts = [r for r in link.requests if isinstance(r, Abort)]
+        assert len(aborts) == 1 and "lost slot 1" in aborts[0].reason
+        assert not any(isinstance(r, Commit) for r in link.requests)  # failed before the end: no commit sent
+        status = link.submit(Status()).wait()
+        assert status.in_flight_update_id is None and status.committed_update_id == 0 and engine.tensors == {}
+        link.fail_at = -1
+        sender.push(named)  # the next update goes through
+        assert torch.equal(engine.tensors["t5"], named[5][1])
+
+
+# -- view caches: one key type, dropped when their buffer goes ------------------------------
+def test_views_are_dropped_when_the_transport_is_replaced(sink):
+    engine, link = sink
+    named = [("a", torch.randn(10)), ("b", torch.arange(7))]
+    with Sender(link, transport="shm", bucket_bytes=4096) as sender:
+        sender.push(named)
+        first, plan = sender.transport, sender._plans.last
+        old_views = plan._views[ViewKey(0, 0)]
+        sender.close()  # a new transport (new slots) on the next push
+        named2 = [(n, t * 3) for n, t in named]
+        sender.push(named2)  # stale views would pack into the old, unmapped slots
+        assert sender.transport is not first and plan._views[ViewKey(0, 0)] is not old_views
+        for name, t in named2:
+            assert torch.equal(engine.tensors[name], t)
+
+
+def test_staging_views_are_dropped_when_the_staging_buffer_grows(sink):
+    engine, link = sink
+    with Sender(link, transport="shm", bucket_bytes=1 << 20) as sender:
+        sender.push([("tiny", torch.zeros(4))])  # the transport: one 64 KiB slot
+        staged = [("x", torch.randn(10_000)), ("y", torch.randn(10_000))]  # one 80 KiB bucket: through staging
+        sender.push(staged)
+        plan = sender._plans.last
+        assert ViewKey(0, STAGING) in plan._views
+        big = torch.randn(700, 700).t()  # not contiguous and bigger than the staging buffer: it grows
+        sender.push([("big", big)])
+        assert torch.equal(engine.tensors["big"], big)
+        assert ViewKey(0, STAGING) not in plan._views
+        staged2 = [(n, t + 1) for n, t in staged]
+        sender.push(staged2)  # stale views would pack into the old staging buffer
+        for name, t in staged2:
+            assert torch.equal(engine.tensors[name], t)
+
+
+def test_a_cpu_arena_packs_nothing_and_guards_its_buffer(sink):
+    engine, link = sink
+    named = [("w", torch.randn(8, 8)), ("b", torch.randn(8))]
+    with Sender(link, transport="shm") as sender:
+        arena = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], "cpu")
+        with torch.no_grad():
+            torch._foreach_copy_(arena, [t for _, t in named])
+        weights = [(n, a) for (n, _), a in zip(named, arena)]
+        sender.push(weights)
+        assert sender._plans.last._views == {}  # the tensors already lived in the slot: no views, no copy
+        with torch.no_grad():
+            arena[0].mul_(2)  # a training step, in place
+        sender.push(weights)
+        assert torch.equal(engine.tensors["w"], named[0][1] * 2)
+        with pytest.raises(TransportError, match="arena"):
+            sender.push([("other", torch.zeros(3))])
+
+
+# -- attaching the first transport that works ---------------------------------------------------
+class _Fake(SenderTransport):
+    """A registry entry for these tests: ``create`` fails or not, the engine opens its handle or not."""
+
+    name = "fake"
+    fail_create = False
+    made: list["_Fake"] = []
+
+    @classmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        return True, f"{cls.name} is fine here"
+
+    @classmethod
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "_Fake":
+        if cls.fail_create:
+            raise TransportError(f"{cls.name}: out of shared memory")
+        return cls(slot_bytes, slots)
+
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        self._slot_bytes, self._slots = slot_bytes, slots
+        self.closed = self.is_attached = False
+        _Fake.made.append(self)
+
+    slot_bytes = property(lambda self: self._slot_bytes)
+    num_slots = property(lambda self: self._slots)
+
+    def handle(self) -> bytes:
+        return self.name.encode()
+
+    def slot(self, index: int) -> torch.Tensor:
+        return torch.zeros(self._slot_bytes, dtype=torch.uint8)
+
+    def attached(self) -> None:
+        self.is_attached = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class BrokenCreate(_Fake):
+    name, fail_create = "broken", True
+
+
+class Refused(_Fake):
+    name = "refused"
+
+
+class Works(_Fake):
+    name = "works"
+
+
+class Absent(_Fake):
+    name = "absent"
+
+    @classmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        return False, "absent needs hardware this machine lacks"
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    """Registry lines, as a new transport would add them, for the fakes above."""
+    here = __name__
+    monkeypatch.setattr(transports, "_REGISTRY", {
+        name: f"{here}:{cls}:{cls}" for name, cls in
+        [("absent", "Absent"), ("broken", "BrokenCreate"), ("refused", "Refused"), ("works", "Works")]
+    })
+    _Fake.made.clear()
+    yield
+
+
+def _engine_opens(name: str, handle: bytes) -> Ack:
+    if handle == b"refused":
+        raise TransportError("cudaIpcOpenMemHandle failed: the engine cannot see this GPU")
+    return Ack(committed_update_id=41)
+
+
+def test_auto_passes_over_what_cannot_run_be_created_or_be_opened_and_says_why(fake_registry, caplog):
+    caplog.set_level(logging.INFO, logger="colosync.transports")
+    attached = transports.attach_first("auto", torch.device("cpu"), 4096, 2, attach=_engine_opens)
+    assert isinstance(attached, transports.Attached)
+    assert isinstance(attached.transport, Works) and attached.transport.is_attached
+    assert attached.reply.next_update_id() == 42  # the callback's reply, handed back
+    assert attached.log == [
+        "picked 'works': works is fine here",
+        "passed over 'absent': absent needs hardware this machine lacks",
+        "passed over 'broken': broken: out of shared memory",
+        "passed over 'refused': cudaIpcOpenMemHandle failed: the engine cannot see this GPU",
+    ]
+    refused = [t for t in _Fake.made if isinstance(t, Refused)]
+    assert len(refused) == 1 and refused[0].closed and not refused[0].is_attached  # nothing leaks
+    lines = {(r.levelno, r.getMessage()) for r in caplog.records}
+    assert (logging.INFO, "transport auto: passed over 'absent': absent needs hardware this machine lacks") in lines
+    assert (logging.WARNING, "transport auto: passed over 'broken': it could not be created: "
+                             "broken: out of shared memory") in lines
+    assert (logging.WARNING, "transport auto: passed over 'refused': the engine could not open it: "
+                             "cudaIpcOpenMemHandle failed: the engine cannot see this GPU") in lines
+    assert (logging.INFO, "transport auto: picked 'works' (works is fine here)") in lines
+
+
+@pytest.mark.parametrize(("name", "error", "match"), [
+    ("absent", TransportUnavailable, "cannot run here: absent needs hardware"),
+    ("broken", TransportError, "out of shared memory"),
+    ("refused", TransportError, "cudaIpcOpenMemHandle failed"),
+])
+def test_an_explicit_transport_raises_instead_of_falling_back(fake_registry, name, error, match):
+    with pytest.raises(error, match=match):
+        transports.attach_first(name, torch.device("cpu"), 4096, 2, attach=_engine_opens)
+    assert all(t.closed for t in _Fake.made)
+
+
+def test_auto_with_nothing_that_works_says_why_for_each(fake_registry, monkeypatch):
+    monkeypatch.setattr(Works, "fail_create", True)
+    with pytest.raises(TransportUnavailable, match="no transport works here: 'absent': .*'works': works: out of"):
+        transports.attach_first("auto", torch.device("cpu"), 4096, 2, attach=_engine_opens)
+
+
+def test_the_sender_attaches_through_the_registry_with_its_link(fake_registry, monkeypatch):
+    """The Sender's callback submits ``Attach`` over its link; what it logs is the registry's log."""
+    seen: list = []
+
+    class _AttachOnly:
+        def submit(self, request):  # noqa: ANN001, ANN201
+            seen.append(request)
+            if isinstance(request, Attach):
+                return Done(_engine_opens(request.transport, request.handle))
+            return Done(Ack(committed_update_id=41))
+
+    sender = Sender(_AttachOnly(), transport="auto", bucket_bytes=4096)
+    streamer = sender._attach(torch.device("cpu"), None)
+    assert isinstance(streamer.transport, Works) and sender.transport is streamer.transport
+    assert [(r.transport, r.handle, r.takeover) for r in seen] == [("refused", b"refused", False),
+                                                                   ("works", b"works", False)]
+    assert sender.transport_log[0] == "picked 'works': works is fine here" and len(sender.transport_log) == 4
+    assert sender._claim_update_id(None) == 42  # the Attach reply says where update ids continue
+    sender.close()
+    assert streamer.transport.closed and sender.transport is None
+    assert isinstance(seen[-1], Detach)  # the engine is told first, then the slots are freed
+
+
+def test_close_detaches_so_another_sender_may_attach_and_takeover_is_explicit(sink):
+    engine, link = sink
+    a = Sender(link, transport="shm", bucket_bytes=4096)
+    a.push([("w", torch.ones(4))])
+    with pytest.raises(EngineBusyError):
+        Sender(link, transport="shm").push([("w", torch.zeros(4))])  # refused, not fallen back from
+    a.close()  # detaches
+    with Sender(link, transport="shm") as b:
+        b.push([("w", torch.full((4,), 2.0))])
+        with Sender(link, transport="shm", takeover=True) as c:
+            c.push([("w", torch.full((4,), 3.0))])
+    assert torch.equal(engine.tensors["w"], torch.full((4,), 3.0))
+
+
+def test_bad_arguments_are_config_errors():
+    with pytest.raises(ConfigError, match="slots must be >= 1"):
+        Sender(None, slots=0)
