@@ -1,14 +1,14 @@
 """Small local models for tests, demos and parity checks; nothing is ever downloaded.
 
 ``make_tiny_llama`` writes a Llama-style model (GQA, 2 layers) with fixed-seed weights to a
-directory, so a trainer and every engine process (hf, vLLM) load bit-identical weights.
+directory (``make_tiny_qwen2`` a Qwen2 one, embeddings tied), so a trainer and every engine process (hf, vLLM) load bit-identical weights.
 The reference decoder both sides use for parity (``greedy``, ``score``) is the hf engine's
 own, re-exported here for tests and the demo.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -18,6 +18,10 @@ from colosync.engines.decoding import completion_logprobs, generate, greedy, loa
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+_TINY = {"max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+         "torch_dtype": "float32"}
+
+
 def tiny_llama_config(
     vocab_size: int = 512,
     hidden_size: int = 64,
@@ -25,41 +29,62 @@ def tiny_llama_config(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     intermediate_size: int = 128,
-):
+):  # noqa: ANN201 - a transformers LlamaConfig
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="float32",
-    )
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                       intermediate_size=intermediate_size, tie_word_embeddings=False, **_TINY)
+
+
+def tiny_qwen2_config(
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 256,
+    tie_word_embeddings: bool = True,
+):  # noqa: ANN201 - a transformers Qwen2Config
+    """A Qwen2 config (q/k/v biases; embeddings tied by default). Head size hidden/heads = 32:
+    vLLM's CPU attention has no kernel for smaller heads."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                       intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+                       use_sliding_window=False, **_TINY)
+
+
+def _save_tiny(path: str | Path, seed: int, build: Callable[[], torch.nn.Module], biases: bool = False) -> Path:
+    """Create (or reuse) ``build()``'s model at ``path`` with weights drawn from ``seed``."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():  # larger than HF's default init so LoRA and updates visibly matter
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif biases and p.dim() == 1 and not torch.all(p == 1):  # biases; norms stay at one
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
 
 
 def make_tiny_llama(path: str | Path, seed: int = 0, **config_overrides: int) -> Path:
     """Create (or reuse) a tiny Llama at ``path`` with weights drawn from ``seed``."""
     from transformers import LlamaForCausalLM
 
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    config = tiny_llama_config(**config_overrides)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger than HF's default init so LoRA and updates visibly matter
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _save_tiny(path, seed, lambda: LlamaForCausalLM(tiny_llama_config(**config_overrides)))
+
+
+def make_tiny_qwen2(path: str | Path, seed: int = 0, **config_overrides: int | bool) -> Path:
+    """Create (or reuse) a tiny Qwen2 (tied embeddings unless ``tie_word_embeddings=False``) at ``path``."""
+    from transformers import Qwen2ForCausalLM
+
+    return _save_tiny(path, seed, lambda: Qwen2ForCausalLM(tiny_qwen2_config(**config_overrides)), biases=True)
 
 
 def random_lora(
@@ -91,5 +116,5 @@ def fill_lora(peft_model: torch.nn.Module, seed: int, scale: float = 0.05) -> No
 
 __all__ = [
     "LORA_TARGETS", "completion_logprobs", "fill_lora", "generate", "greedy", "load_model", "make_tiny_llama",
-    "random_lora", "score", "tiny_llama_config",
+    "make_tiny_qwen2", "random_lora", "score", "tiny_llama_config", "tiny_qwen2_config",
 ]

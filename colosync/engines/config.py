@@ -26,6 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     timeout_s: float = 60.0
     log_level: str = "WARNING"
     threads: int = 0  # CPU threads for the engine's compute; 0 leaves the library default
+    auth_timeout_s: float = 2.0  # engine process: a client must authenticate within this
+    message_timeout_s: float = 10.0  # engine process: a message's bytes must all arrive within this
 
     def policy(self) -> ReceiverPolicy:
         return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)

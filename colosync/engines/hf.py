@@ -27,7 +27,7 @@ import torch
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
 from colosync.engines.host import HostedTarget
 from colosync.errors import UnknownTensorError
-from colosync.sync.target import ModelSpec, ParamSpec, parse_lora_name
+from colosync.sync.target import Changes, ModelSpec, ParamSpec, parse_lora_name, tied_parameters
 from colosync.wire.manifest import LoraSpec, UpdateManifest
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 class _PreparedLora(msgspec.Struct):
     adapter: str
+    changes: Changes
 
 
 class _PreparedFull(msgspec.Struct):
@@ -53,6 +54,8 @@ class HFEngine(HostedTarget):
         self._base = dict(model.named_parameters())  # HF names; survive PEFT's wrapping
         self._peft: Any = None
         self._served_adapter: str | None = None
+        self._previous_adapter: str | None = None  # kept until the next commit: what a revert reinstates
+        self._last_commit_lora = False
         self._spec = self._build_spec()
 
     @classmethod
@@ -69,7 +72,8 @@ class HFEngine(HostedTarget):
             for name, m in self.model.named_modules()
             if isinstance(m, torch.nn.Linear)
         }
-        return ModelSpec(params, linears, self.max_lora_rank, next(self.model.parameters()).dtype)
+        return ModelSpec(params, linears, self.max_lora_rank, next(self.model.parameters()).dtype,
+                         tied=tied_parameters(self.model))
 
     def model_spec(self) -> ModelSpec:
         return self._spec
@@ -81,27 +85,45 @@ class HFEngine(HostedTarget):
             return _PreparedFull(params, values)
         if manifest.lora is None:  # UpdateManifest guarantees it; keeps the type checker honest
             raise UnknownTensorError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
-        return _PreparedLora(self._load_adapter(f"u{manifest.update_id}", manifest.lora, tensors))
+        adapter, placed = self._load_adapter(f"u{manifest.update_id}", manifest.lora, tensors)
+        expected = len({parse_lora_name(name)[0] for name in tensors})
+        return _PreparedLora(adapter, Changes(placed, expected))
 
-    def commit(self, prepared: Any, update_id: int) -> None:
+    def commit(self, prepared: Any, update_id: int) -> Changes:
+        self._retire(self._previous_adapter)  # only the adapter served right before this commit is kept
+        self._previous_adapter = None
         if isinstance(prepared, _PreparedFull):
             with torch.no_grad():
                 torch._foreach_copy_(prepared.params, prepared.values)
-            return
-        old = self._served_adapter
-        self._served_adapter = prepared.adapter  # from here on generation uses the new adapter
-        if old is not None:
-            try:
-                self._peft.delete_adapter(old)
-            except Exception:  # the switch is done; a leftover adapter only costs memory
-                log.exception("hf engine: could not delete adapter %s", old)
+            self._last_commit_lora = False
+            return Changes(len(prepared.params), len(prepared.values))
+        self._previous_adapter, self._served_adapter = self._served_adapter, prepared.adapter  # the switch
+        self._last_commit_lora = True
+        return prepared.changes
+
+    def revert(self, update_id: int) -> bool:
+        """A LoRA commit is undone by serving the previous adapter again; a full one cannot be."""
+        if not self._last_commit_lora or self._served_adapter != f"u{update_id}":
+            return False
+        failed, self._served_adapter, self._previous_adapter = self._served_adapter, self._previous_adapter, None
+        self._retire(failed)
+        return True
 
     def discard(self, prepared: Any) -> None:
         if isinstance(prepared, _PreparedLora):
             self._drop_adapter(prepared.adapter)
 
+    def _retire(self, adapter: str | None) -> None:
+        if adapter is None:
+            return
+        try:
+            self._drop_adapter(adapter)
+        except Exception:  # the switch is done; a leftover adapter only costs memory
+            log.exception("hf engine: could not delete adapter %s", adapter)
+
     # -- LoRA adapters ----------------------------------------------------------------------
-    def _load_adapter(self, adapter: str, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> str:
+    def _load_adapter(self, adapter: str, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+        """Load ``tensors`` as PEFT adapter ``adapter``; returns it and how many modules PEFT filled."""
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         config = LoraConfig(
@@ -127,7 +149,9 @@ class HFEngine(HostedTarget):
             raise UnknownTensorError(
                 f"PEFT could not place {unexpected[:5]} in the engine's model; check target_modules"
             )
-        return adapter
+        wrapped = {name for name, m in self._peft.named_modules() if adapter in getattr(m, "lora_A", {})}
+        unfilled = {k.split(".lora_")[0] for k in result.missing_keys if f".{adapter}." in k}  # same naming
+        return adapter, len(wrapped - unfilled)
 
     def _drop_adapter(self, adapter: str) -> None:
         if self._peft is None or adapter not in self._peft.peft_config:

@@ -7,26 +7,84 @@ one place where those bytes become a typed request, go to the transaction side (
 serving code, and come back as a typed reply, a failure included (``Failed``, never a
 raised exception and never a crash). So every host refuses garbage, reports a rejected
 update and expires an abandoned one the same way.
+
+It also decides who may update the engine. Clients arrive as sessions (a connection, a Ray
+caller); the first to ``Attach`` owns the update channel, and another is refused with
+``EngineBusyError`` naming the owner, until the owner disconnects, dies (its pid is watched)
+or is explicitly taken over. A session that ends takes only its own in-flight update with
+it. And it turns a ``Commit`` that carries a ``Probe`` into a verified commit: install, score
+the probe with the engine's own serving code before anything else is served, and roll back
+(LoRA) or fail closed (full) on a mismatch.
 """
 
 from __future__ import annotations
 
-import abc
+import itertools
 import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Union
 
 import msgspec
 import torch
 
-from colosync.errors import ColosyncError, ManifestError
+from colosync.engines.config import Score, Scores
+from colosync.errors import ColosyncError, DeliveryError, EngineBusyError, FailedClosedError, ManifestError
+from colosync.sync.delivery import Deviation, delivery_error
 from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget
-from colosync.wire.protocol import Abort, Ack, Codec, Failed, Status, TransactionRequest
+from colosync.wire.protocol import (
+    Abort,
+    Ack,
+    Attach,
+    Codec,
+    Commit,
+    Delivery,
+    Detach,
+    Failed,
+    Hello,
+    Revert,
+    Status,
+    TransactionRequest,
+)
 
 log = logging.getLogger(__name__)
 
 TRANSACTION_TYPES: tuple[type, ...] = TransactionRequest.__args__
+_OWNER_ONLY: tuple[type, ...] = tuple(t for t in TRANSACTION_TYPES if t is not Status)
+
+
+@dataclass
+class Session:
+    """One client of a host: a connection, a Ray caller, or the host's own process."""
+
+    id: int
+    pid: int | None = None
+    host: str = ""
+    name: str = ""
+    opened: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        who = f"pid {self.pid}" + (f" on {self.host}" if self.host else "") if self.pid else f"session {self.id}"
+        named = f" ({self.name})" if self.name else ""
+        return f"{who}{named}, connected at {time.strftime('%H:%M:%S', time.localtime(self.opened))}"
+
+    def alive(self) -> bool:
+        """False only when this client's process is known to have exited (same host, pid gone)."""
+        if not self.pid or (self.host and self.host != socket.gethostname()):
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 class Transactions(Protocol):
@@ -37,6 +95,8 @@ class Transactions(Protocol):
     def status(self) -> Ack: ...
 
     def abort(self, update_id: int, reason: str) -> None: ...
+
+    def detach(self) -> None: ...
 
     def check_timeout(self) -> None: ...
 
@@ -89,6 +149,9 @@ class LinkTransactions:
     def abort(self, update_id: int, reason: str) -> None:
         self.handle(Abort(update_id, reason))
 
+    def detach(self) -> None:
+        self.handle(Detach("the owner left"))
+
     def check_timeout(self) -> None:
         pass  # the Receivers at the far end keep their own clocks
 
@@ -103,20 +166,63 @@ def codecs(requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()) -> t
 
 
 class EngineHost:
-    """Bytes in, bytes out: decode, dispatch, reply; never raises.
+    """Bytes in, bytes out: decode, check who asks, dispatch, reply; never raises.
 
-    >>> host = EngineHost(receiver)                       # a vLLM worker: transactions only
+    >>> host = EngineHost(receiver)                             # a vLLM worker: transactions only
     >>> host = EngineHost(engine.transactions(policy), engine)  # an engine with its own requests
-    >>> reply = host.handle_bytes(data)
+    >>> session = host.open_session()
+    >>> reply = host.handle_bytes(data, session)
+
+    ``handlers`` serve host-level requests (``Shutdown`` of the engine process). Calls may
+    come from several threads (a Ray actor's tick); one lock orders them.
     """
 
     def __init__(self, transactions: Transactions, engine: ServedEngine | None = None,
-                 extra_requests: tuple[type, ...] = ()) -> None:
+                 handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None) -> None:
         self.transactions = transactions
         self.engine = engine
-        requests = (*(engine.requests if engine else ()), *extra_requests)
+        self.handlers = dict(handlers or {})
+        requests = (Hello, *(engine.requests if engine else ()), *self.handlers)
         self.request_codec, self.reply_codec = codecs(requests, engine.replies if engine else ())
+        self.owner: Session | None = None
+        self.serving = True
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._sessions: dict[int, Session] = {}
+        self._local = self.open_session()  # callers that name no session (in-process use)
 
+    # -- sessions -------------------------------------------------------------------------
+    def open_session(self) -> Session:
+        session = Session(next(self._ids))
+        self._sessions[session.id] = session
+        return session
+
+    def close_session(self, session: Session, reason: str) -> None:
+        """``session`` is gone: abort its in-flight update and release the engine if it owned it."""
+        with self._lock:
+            self._sessions.pop(session.id, None)
+            if self.owner is not session:
+                return
+            self._release(f"its sender ({session.describe()}) is gone: {reason}")
+
+    def tick(self) -> None:
+        """Expire what a clock must: idle updates, and an owner whose process has died."""
+        with self._lock:
+            self.transactions.check_timeout()
+            owner = self.owner
+            if owner is not None and not owner.alive():
+                self._sessions.pop(owner.id, None)
+                self._release(f"its sender ({owner.describe()}) died")
+
+    def _release(self, why: str) -> None:
+        in_flight = self.transactions.status().in_flight_update_id
+        if in_flight is not None:
+            self.transactions.abort(in_flight, why)
+        self.transactions.detach()
+        self.owner = None
+        log.info("engine: released by its owner; %s", why)
+
+    # -- requests -------------------------------------------------------------------------
     def decode(self, data: bytes) -> msgspec.Struct:
         """The request in ``data``, or the ``Failed`` reply that says why it is not one."""
         try:
@@ -124,38 +230,123 @@ class EngineHost:
         except ColosyncError as exc:
             return Failed.from_exception(exc)
 
-    def handle(self, request: msgspec.Struct) -> msgspec.Struct:
+    def handle(self, request: msgspec.Struct, session: Session | None = None) -> msgspec.Struct:
         if isinstance(request, Failed):  # what decode returned for bytes that were not a request
             return request
+        session = session or self._local
+        with self._lock:
+            try:
+                self.transactions.check_timeout()  # hosts without a timer still expire abandoned updates
+                return self._dispatch(request, session)
+            except ColosyncError as exc:
+                return Failed.from_exception(exc, self._status_after(exc))
+            except Exception as exc:
+                log.exception("engine: request %s failed", type(request).__name__)
+                return Failed.from_exception(exc)
+
+    def _dispatch(self, request: msgspec.Struct, session: Session) -> msgspec.Struct:
+        if isinstance(request, Hello):
+            session.pid, session.host, session.name = request.pid, request.host, request.name
+            return self.transactions.status()
+        handler = self.handlers.get(type(request))
+        if handler is not None:
+            return handler(request, session)
+        if isinstance(request, TRANSACTION_TYPES):
+            if isinstance(request, _OWNER_ONLY):
+                self._check_owner(request, session)
+            if isinstance(request, Detach):
+                self._release(f"its sender ({session.describe()}) detached: {request.reason or 'closed'}")
+                return self.transactions.status()
+            ack = self._commit(request) if isinstance(request, Commit) else self.transactions.handle(request)
+            self.serving = ack.serving
+            return ack
+        if self.engine is None:
+            raise ManifestError(f"this host serves transaction messages only, not {type(request).__name__}")
+        if not self.serving:
+            raise FailedClosedError(
+                f"the engine refuses {type(request).__name__}: its last full update failed verification, so "
+                "what it would compute is unknown; push a good update (it serves again once one verifies)"
+            )
+        return self.engine.handle(request)
+
+    def _check_owner(self, request: msgspec.Struct, session: Session) -> None:
+        owner = self.owner
+        if owner is session:
+            return
+        if owner is not None and not owner.alive():
+            self._sessions.pop(owner.id, None)
+            self._release(f"its sender ({owner.describe()}) died")
+            owner = None
+        if isinstance(request, Attach):
+            if owner is not None and not request.takeover:
+                raise EngineBusyError(
+                    f"this engine is owned by another sender: {owner.describe()}. One sender updates an engine at "
+                    "a time; wait until it closes or exits (ownership is released at once), or take over with "
+                    "Sender(..., takeover=True), which aborts its in-flight update"
+                )
+            if owner is not None:
+                self._release(f"{session.describe()} took it over")
+            self.owner = session
+            return
+        if owner is None:
+            raise EngineBusyError(
+                f"{type(request).__name__} from a sender that does not own this engine (nobody does now): "
+                "send Attach first (a Sender does this on its first push)"
+            )
+        raise EngineBusyError(
+            f"{type(request).__name__} refused: this engine is owned by {owner.describe()}, not by this sender; "
+            "a sender that was taken over must reconnect and Attach again"
+        )
+
+    def _commit(self, request: Commit) -> Ack:
+        ack = self.transactions.handle(Commit(request.update_id))
+        probe = request.probe
+        if probe is None:
+            return ack
+        started = time.perf_counter()
         try:
-            self.transactions.check_timeout()  # hosts without a timer still expire abandoned updates
-            if isinstance(request, TRANSACTION_TYPES):
-                return self.transactions.handle(request)
-            if self.engine is None:
-                raise ManifestError(f"this host serves transaction messages only, not {type(request).__name__}")
-            return self.engine.handle(request)
+            if self.engine is None or Score not in self.engine.requests:
+                raise DeliveryError("this engine cannot score a probe; push without verify=")
+            scores = self.engine.handle(Score(probe.prompts, probe.completions))
+            if not isinstance(scores, Scores) or scores.update_id != request.update_id:
+                why = f"the probe was scored by update {getattr(scores, 'update_id', '?')}"
+                deviation = None
+            else:
+                deviation = Deviation(probe, scores.logprobs)
+                why = None if deviation.within(probe.tolerance) else f"{deviation} > tolerance {probe.tolerance:g}"
         except ColosyncError as exc:
-            return Failed.from_exception(exc)
-        except Exception as exc:
-            log.exception("engine: request %s failed", type(request).__name__)
-            return Failed.from_exception(exc)
+            why, deviation = f"scoring the probe failed: {exc}", None
+        if why is not None:
+            after = self.transactions.handle(Revert(request.update_id, why))
+            self.serving = after.serving
+            raise delivery_error(request.update_id, why, after)
+        checked = ack.delivery or Delivery(changed=0, expected=0)
+        return msgspec.structs.replace(ack, delivery=msgspec.structs.replace(
+            checked, max_deviation=deviation.value if deviation else None, seconds=time.perf_counter() - started))
+
+    def _status_after(self, exc: ColosyncError) -> Ack | None:
+        try:
+            return self.transactions.status()
+        except Exception:  # the status is a courtesy; the error itself matters
+            return None
 
     def encode(self, reply: msgspec.Struct) -> bytes:
         return self.reply_codec.encode(reply)
 
-    def handle_bytes(self, data: bytes) -> bytes:
-        return self.encode(self.handle(self.decode(data)))
+    def handle_bytes(self, data: bytes, session: Session | None = None) -> bytes:
+        return self.encode(self.handle(self.decode(data), session))
 
     def close(self) -> None:
         self.transactions.close()
 
 
-def build_host(config: Any, extra_requests: tuple[type, ...] = ()) -> EngineHost:
+def build_host(config: Any, handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None) -> EngineHost:
     """The host for an ``EngineConfig``: the registry's engine class, built from the config."""
     from colosync.engines import engine_class
 
     engine = engine_class(config.engine).from_config(config)
-    return EngineHost(engine.transactions(config.policy()), engine, extra_requests)
+    return EngineHost(engine.transactions(config.policy()), engine, handlers)
 
 
-__all__ = ["EngineHost", "HostedTarget", "LinkTransactions", "ServedEngine", "Transactions", "build_host", "codecs"]
+__all__ = ["EngineHost", "HostedTarget", "LinkTransactions", "ServedEngine", "Session", "Transactions", "build_host",
+           "codecs"]

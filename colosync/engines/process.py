@@ -1,12 +1,12 @@
-"""Run an engine in its own process, reachable over a Unix socket of msgpack messages.
+"""Run an engine in its own process, reachable over an authenticated Unix socket.
 
-Trainer and engine are separate processes in every real deployment, and a sender can die at
-any moment; this is where that is handled. The engine process listens on a private Unix
-socket (0700 directory, HMAC-authenticated by ``multiprocessing.connection``), so several
-clients can connect -- a trainer that syncs, a driver that generates, a replacement sender
-after a crash. Only ``send_bytes``/``recv_bytes`` of msgpack structs cross the socket. If the
-connection that began an update drops, that update is aborted at once; a silent one is
-aborted by the Receiver's timeout.
+Trainer and engine are separate processes in every real deployment, and a sender can die,
+stall or misbehave at any moment; this is where that is survived. The engine process serves
+``EngineHost`` through ``ChannelServer`` (``colosync.engines.channel``): one task per
+connection, deadlines on authentication and on every message, engine work on one thread,
+and a connection that ends for any reason aborts only that client's in-flight update.
+Several clients can connect (a trainer that syncs, a driver that generates, a replacement
+sender after a crash); one of them owns the update channel at a time.
 """
 
 from __future__ import annotations
@@ -17,87 +17,56 @@ import os
 import secrets
 import shutil
 import tempfile
-import threading
-import time
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
 from colosync.engines import engine_class
+from colosync.engines.channel import ChannelServer, Deadlines, SocketLink
 from colosync.engines.config import EngineAddress, EngineConfig
-from colosync.engines.host import build_host, codecs
+from colosync.engines.host import Session, build_host, codecs
 from colosync.errors import ColosyncError, EngineError
-from colosync.sync.link import PipeLink
-from colosync.wire.protocol import Begin, Failed
+from colosync.wire.protocol import Ack, Failed
 
 log = logging.getLogger(__name__)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
-    pass
+    """Stop the engine process (after replying)."""
 
 
 def _serve(config_bytes: bytes, ready: Connection) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    server: ChannelServer | None = None
+
+    def shutdown(request: Shutdown, session: Session) -> Ack:
+        if server is not None:
+            server.stop()
+        return host.transactions.status()
+
     try:
-        host = build_host(config, extra_requests=(Shutdown,))
+        host = build_host(config, handlers={Shutdown: shutdown})
     except BaseException as exc:
         ready.send_bytes(msgspec.msgpack.encode(Failed.from_exception(exc)))
         raise
-    receiver = host.transactions
     folder = tempfile.mkdtemp(prefix="colosync-engine-")
     os.chmod(folder, 0o700)
     address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
-    listener = Listener(address.path, family="AF_UNIX", authkey=address.authkey)
-    clients: list[Connection] = []
-    lock = threading.Lock()
+    server = ChannelServer(
+        address, host.open_session, lambda session, data: host.handle_bytes(data, session), host.close_session,
+        Deadlines(config.auth_timeout_s, config.message_timeout_s), tick=host.tick,
+    )
 
-    def accept_forever() -> None:
-        while True:
-            try:
-                conn = listener.accept()
-            except Exception:  # listener closed, or a client failed authentication
-                if listener._listener is None:  # closed: stop
-                    return
-                continue
-            with lock:
-                clients.append(conn)
+    def announce() -> None:
+        ready.send_bytes(msgspec.msgpack.encode(address))
+        ready.close()
 
-    threading.Thread(target=accept_forever, daemon=True).start()
-    ready.send_bytes(msgspec.msgpack.encode(address))
-    ready.close()
-    owner: Connection | None = None  # the connection that began the in-flight update
     try:
-        running = True
-        while running:
-            with lock:
-                current = list(clients)
-            for conn in wait(current, timeout=0.2) if current else ():
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
-                    with lock:
-                        clients.remove(conn)
-                    in_flight = receiver.status().in_flight_update_id
-                    if conn is owner and in_flight is not None:
-                        receiver.abort(in_flight, "the sender disconnected mid-update")
-                    continue
-                request = host.decode(data)
-                if isinstance(request, Shutdown):
-                    reply, running = receiver.status(), False
-                else:
-                    reply = host.handle(request)
-                    if isinstance(request, Begin) and not isinstance(reply, Failed):
-                        owner = conn
-                conn.send_bytes(host.encode(reply))
-            if not current:
-                time.sleep(0.05)
-            receiver.check_timeout()
+        server.serve(ready=announce)
     finally:
         host.close()
-        listener.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -106,11 +75,12 @@ class EngineProcess:
 
     >>> with EngineProcess(EngineConfig(engine="hf", model_dir=path)) as engine:
     ...     sender = Sender(engine.link, transport="shm")
+
+    ``engine.address`` is what another process needs to connect (``connect(address, "hf")``).
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
         self.config = config
-        self._cls = engine_class(config.engine)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
@@ -126,7 +96,8 @@ class EngineProcess:
         except EOFError:
             self._process.join(5)
             raise EngineError(
-                f"engine {config.engine!r} died during start-up (exit code {self._process.exitcode}); see its log"
+                f"engine {config.engine!r} died during start-up (exit code {self._process.exitcode}); its log "
+                "went to this process's stderr (raise EngineConfig.log_level to 'INFO' for more)"
             ) from None
         failed = _try_decode(first, Failed)
         if failed is not None:
@@ -135,9 +106,9 @@ class EngineProcess:
         self.address = msgspec.msgpack.decode(first, type=EngineAddress)
         self.link = self.connect()
 
-    def connect(self) -> PipeLink:
+    def connect(self, name: str = "") -> SocketLink:
         """A new connection to this engine (one per thread or process that talks to it)."""
-        return connect(self.address, self._cls)
+        return connect(self.address, self.config.engine, name)
 
     def call(self, request: msgspec.Struct) -> Any:
         return self.link.call(request)
@@ -161,19 +132,17 @@ class EngineProcess:
                 self._process.join(timeout_s)
         self.link.close()
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def connect(address: EngineAddress, engine_cls: type) -> PipeLink:
-    try:
-        conn = Client(address.path, family="AF_UNIX", authkey=address.authkey)
-    except OSError as exc:
-        raise EngineError(f"cannot reach the engine at {address.path}: {exc}; is it running?") from exc
-    return PipeLink(conn, *codecs((*engine_cls.requests, Shutdown), engine_cls.replies))
+def connect(address: EngineAddress, engine: str, name: str = "") -> SocketLink:
+    """A link to the engine process at ``address`` serving the registered engine ``engine`` (e.g. ``"hf"``)."""
+    cls = engine_class(engine)
+    return SocketLink(address, *codecs((*cls.requests, Shutdown), cls.replies), name=name)
 
 
 def _try_decode(data: bytes, cls: type) -> Any:

@@ -28,6 +28,9 @@ Why it looks like this:
 
 Not handled (each rejected with a message saying so): virtual pipeline chunks, MoE, biases,
 qk-norm, MLA. Full-weight updates send base weights; an adapter is not merged into them.
+
+One module (~430 lines): the collective schedule (who gathers, who sends, who raises when
+the engine refuses) must be read as one piece for every rank to be seen to agree.
 """
 
 from __future__ import annotations

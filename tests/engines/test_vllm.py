@@ -6,6 +6,9 @@ what the engine serves afterwards: the same update id, tokens and logprobs as be
 
 The tests share one engine, so each one pushes the state it needs and leaves the engine on
 the original base weights. ``test_no_lora_request_before_a_lora_commit`` must run first.
+Verified commits put a ``Probe`` (the trainer's logprobs) on the Sender's Commit through
+``tests.helpers.probing``. The tied-embedding tests run on a second, one-worker engine over
+a tiny Qwen2 (``vllm_tied_llm``), started after the others.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import pytest
 import torch
 
 from colosync.wire.bucket import plan_buckets
-from colosync.errors import EngineError, NonFiniteError, RankError, ShapeMismatchError, UpdateRejected
-from colosync.demo.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora
-from colosync.wire.protocol import Status
+from colosync.errors import (DeliveryError, EngineError, FailedClosedError, NonFiniteError, RankError,
+                             ShapeMismatchError, TiedWeightError, UpdateRejected)
+from colosync.demo.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora, score
+from colosync.sync.target import Changes, parse_lora_name
+from colosync.wire.protocol import Ack, Commit, Probe, Revert, Status
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 
+from ..helpers import probing
 from .conftest import BLOCK_SIZE, MAX_LORA_RANK, vllm_tensor_parallel_size
 
 # One prompt longer than a KV block (so the prefix cache holds a block of it across updates)
@@ -267,6 +273,90 @@ def test_rank_over_engine_max_is_rejected(vllm_llm, vllm_engine, vllm_sender, vl
     assert_still_serving(vllm_llm, vllm_engine, serving)
 
 
+# -- verified commits: a probe of the trainer's own logprobs travels with the Commit ------
+
+PROBE_PROMPTS = PROMPTS[1:]
+
+
+def trainer_probe(model, prompts=PROBE_PROMPTS, new=6, shift=0.0):
+    """The trainer's greedy completions of ``prompts`` and their logprobs (``+ shift``: a wrong probe)."""
+    completions = greedy(model, prompts, new)[0]
+    logprobs = [[lp + shift for lp in row] for row in score(model, prompts, completions)]
+    return Probe(prompts, completions, logprobs, tolerance=TOL)
+
+
+def lora_modules(peft_model):
+    return len({parse_lora_name(name)[0] for name, _ in peft_lora_tensors(peft_model)})
+
+
+def vllm_layers(named):
+    """The vLLM layers HF parameters load into: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
+    layers = set()
+    for name, _ in named:
+        parent, _, leaf = name.rpartition(".")[0].rpartition(".")
+        layers.add(f"{parent}.{fused.get(leaf, leaf)}" if parent else fused.get(leaf, leaf))
+    return len(layers)
+
+
+def test_lora_push_with_a_correct_probe_commits_and_reports_its_delivery(vllm_llm, vllm_engine, vllm_sender,
+                                                                         vllm_model_dir):
+    trainer = adapter(vllm_model_dir, rank=8, seed=61)
+    with probing(vllm_sender, trainer_probe(trainer)) as link:
+        report = vllm_sender.push_peft(trainer)
+    [ack] = link.acks
+    assert ack.committed_update_id == report.update_id == vllm_engine.committed_update_id
+    delivery = ack.delivery
+    assert delivery is not None and delivery.max_deviation is not None
+    assert delivery.max_deviation <= TOL and delivery.seconds > 0
+    assert delivery.changed == delivery.expected == lora_modules(trainer) == 2 * len(LORA_TARGETS)
+    _, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS, vllm_engine.lora_request)
+    assert_parity(tokens, logprobs, *greedy(trainer, PROMPTS, NEW))
+
+
+def test_lora_push_with_a_wrong_probe_is_rolled_back(vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving):
+    new = adapter(vllm_model_dir, rank=8, seed=62)
+    wrong = trainer_probe(new, shift=0.5)  # the engine will compute the trainer's logprobs, not these
+    with probing(vllm_sender, wrong):
+        with pytest.raises(DeliveryError, match=r"max \|engine - trainer logprob\| 0\.[45]\d* at prompt .*"
+                                                rf"rolled back to update {serving.uid}") as failed:
+            vllm_sender.push_peft(new)
+    assert "tolerance 0.001" in str(failed.value)
+    assert vllm_engine.link.lora_update_id == serving.uid and vllm_engine.serving
+    assert_still_serving(vllm_llm, vllm_engine, serving)
+    # the next update goes through as usual
+    report = vllm_sender.push_peft(new)
+    _, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS, vllm_engine.lora_request)
+    assert_parity(tokens, logprobs, *greedy(new, PROMPTS, NEW))
+    assert vllm_engine.committed_update_id == report.update_id
+
+
+def test_full_update_with_a_wrong_probe_fails_closed_until_a_good_one(vllm_llm, vllm_engine, vllm_sender,
+                                                                     vllm_model_dir, serving):
+    original = load_model(vllm_model_dir)
+    # The probe of a full update is scored the way the engine serves by default: with the adapter.
+    good = Probe(PROMPTS, serving.tokens, serving.logprobs, tolerance=TOL)
+    wrong = Probe(PROMPTS, serving.tokens, [[lp - 0.5 for lp in row] for row in serving.logprobs], tolerance=TOL)
+    with probing(vllm_sender, wrong):
+        with pytest.raises(DeliveryError, match="fails closed") as failed:
+            vllm_sender.push(original.named_parameters())
+    assert "cannot roll a full update back" in str(failed.value)
+    assert not vllm_engine.serving and vllm_engine.link.submit(Status()).wait().serving is False
+    with pytest.raises(FailedClosedError, match="push a good update"):
+        _ = vllm_engine.lora_request
+    with probing(vllm_sender, good) as link:
+        report = vllm_sender.push(original.named_parameters())
+    [ack] = link.acks
+    assert vllm_engine.serving and ack.serving and ack.committed_update_id == report.update_id
+    named = list(original.named_parameters())
+    assert ack.delivery.changed == ack.delivery.expected == vllm_layers(named)
+    assert ack.delivery.max_deviation <= TOL
+    outs, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS, vllm_engine.lora_request)
+    assert_parity(tokens, logprobs, *greedy(serving.trainer, PROMPTS, NEW))
+    assert vllm_engine.version_of(outs[0]) == report.update_id
+
+
 # -- trainer-side logic that needs no engine ----------------------------------------------
 
 
@@ -320,7 +410,7 @@ class _FakeAsyncLLM:
 
 
 def test_async_link_pushes_through_the_engines_event_loop():
-    from colosync.engines.vllm.client import AsyncVllmLink
+    from colosync.engines.vllm.link import AsyncVllmLink
 
     async def main():
         fake = _FakeAsyncLLM()
@@ -341,8 +431,204 @@ def test_async_link_pushes_through_the_engines_event_loop():
     ]
 
 
+class _FakeLoraManager:
+    """Just enough of vLLM's LoRA model manager: a LoRA slot per vLLM module name, one adapter."""
+
+    supported_lora_modules = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, slots):
+        self.modules = dict.fromkeys(slots)
+        self._active_adapters: dict[int, None] = {}
+        self.installed = None
+
+    def remove_adapter(self, adapter_id):
+        self._active_adapters.pop(adapter_id, None)
+        self.installed = None
+
+    def add_adapter(self, lora):
+        self.installed = lora
+
+    def pin_adapter(self, adapter_id):
+        self._active_adapters[adapter_id] = None
+
+
+class _FakeLora:
+    """A ``LoRAModel`` after vLLM packed it: ``loras`` by vLLM module, packed ones with one entry per sub-module."""
+
+    def __init__(self, loras):
+        from colosync.engines.vllm.worker import ADAPTER_ID
+
+        self.id, self.loras = ADAPTER_ID, loras
+
+    def get_lora(self, name):
+        return self.loras.get(name)
+
+
+def _fake_target(manager):
+    from colosync.demo.models import tiny_llama_config
+    from colosync.engines.vllm.worker import VllmTarget
+
+    config = tiny_llama_config()
+    model = SimpleNamespace(packed_modules_mapping=_FakeLoraManager.packed_modules_mapping)
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(dtype=torch.float32, hf_config=config, get_vocab_size=lambda: config.vocab_size),
+            lora_config=SimpleNamespace(max_lora_rank=16, lora_dtype=torch.float32)),
+        model_runner=SimpleNamespace(get_model=lambda: model, lora_manager=SimpleNamespace(_adapter_manager=manager)),
+    )
+    return VllmTarget(worker)
+
+
+def test_lora_commit_counts_what_vllm_placed_and_reports_a_shortfall():
+    from colosync.engines.vllm.worker import _PreparedLora, placed_lora_modules
+
+    attn = "model.layers.0.self_attn"
+    a = torch.zeros(8, 64)
+    # The manifest names q, k, v and o of layer 0 (4 modules); vLLM packed q and v into qkv_proj
+    # but lost k, and it has no slot for o_proj (a module it does not know).
+    lora = _FakeLora({f"{attn}.qkv_proj": SimpleNamespace(lora_a=[a, None, a]),
+                      f"{attn}.o_proj": SimpleNamespace(lora_a=a)})
+    manager = _FakeLoraManager([f"{attn}.qkv_proj", "model.layers.0.mlp.down_proj"])
+    target = _fake_target(manager)
+    assert target.commit(_PreparedLora(lora, expected=4), update_id=5) == Changes(changed=2, expected=4)
+    assert target.lora_update_id == 5
+    manager.modules[f"{attn}.o_proj"] = None  # with a slot for o_proj too, all but k land
+    assert placed_lora_modules(manager, lora) == 3
+    manager._active_adapters.clear()  # an adapter that is not active is nowhere
+    assert placed_lora_modules(manager, lora) == 0
+
+
+def test_lora_revert_reinstates_the_previous_adapter_once():
+    from colosync.engines.vllm.worker import _PreparedLora
+
+    attn = "model.layers.0.self_attn"
+    manager = _FakeLoraManager([f"{attn}.o_proj"])
+    first, second = (_FakeLora({f"{attn}.o_proj": SimpleNamespace(lora_a=torch.zeros(1))}) for _ in range(2))
+    target = _fake_target(manager)
+    assert target.revert(1) is False  # nothing committed
+    target.commit(_PreparedLora(first, 1), update_id=1)
+    target.commit(_PreparedLora(second, 1), update_id=2)
+    assert target.revert(1) is False  # only the last commit can be reverted
+    assert target.revert(2) is True
+    assert manager.installed is first and target.lora_update_id == 1 and manager._active_adapters
+    assert target.revert(2) is False  # once
+    target.commit(_PreparedLora(second, 1), update_id=3)
+    assert target.revert(3) is True and manager.installed is first
+
+
+class _FakeLLM:
+    """Just enough of ``vllm.LLM`` for ``VllmLink``: workers with a store each, and a scorer.
+
+    Every token scores ``logprob`` under the current weight version.
+    """
+
+    def __init__(self, logprob=-1.0, store=None):
+        from colosync.engines.host import EngineHost, codecs
+        from colosync.engines.store import StoreEngine
+        from colosync.sync.receiver import Receiver
+
+        self.logprob, self.version = logprob, "default"
+        self.stores = [(store or StoreEngine)() for _ in range(2)]  # a store cannot revert: it fails closed
+        self.hosts = [EngineHost(Receiver(s)) for s in self.stores]
+        self._decode = codecs()[0].decode
+        self.seen: list = []
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(), set_weight_version=self._set_version)
+
+    def _set_version(self, version):
+        self.version = version
+
+    def collective_rpc(self, method, args=()):
+        if method == "colosync_handle":
+            self.seen.append(self._decode(bytes(args[0])))
+        return [host.handle_bytes(*args) for host in self.hosts]
+
+    def reset_prefix_cache(self):
+        return True
+
+    def generate(self, prompt, params, lora_request=None, use_tqdm=False):
+        from vllm.outputs import WeightVersionSpan
+
+        ids = prompt["prompt_token_ids"]
+        steps = [None] + [{t: SimpleNamespace(logprob=self.logprob)} for t in ids[1:]]
+        completion = SimpleNamespace(weight_versions=[WeightVersionSpan(self.version, 0, 1)])
+        return [SimpleNamespace(prompt_logprobs=steps, outputs=[completion])]
+
+
+def test_link_verifies_a_probe_itself_and_fails_closed_when_it_cannot_revert():
+    from colosync.engines.vllm.link import VllmLink
+
+    fake = _FakeLLM(logprob=-1.0)
+    link = VllmLink(fake)
+    probe = Probe([[1, 2]], [[3, 4]], [[-1.0, -1.0]], tolerance=1e-3)
+    with Sender(link, transport="shm") as sender:
+        with probing(sender, probe) as probed:
+            report = sender.push([("a", torch.ones(3))])
+        commits = [m for m in fake.seen if isinstance(m, Commit)]
+        assert commits == [Commit(report.update_id)], "the workers must not see the probe"
+        assert probed.acks[-1].delivery.max_deviation == 0.0 and link.serving
+        fake.logprob = -1.25  # now the engine computes something else than the trainer
+        with probing(sender, probe):
+            with pytest.raises(DeliveryError, match=r"0\.25 at prompt 0 token 0.*fails closed"):
+                sender.push([("a", torch.zeros(3))])
+        assert [m for m in fake.seen if isinstance(m, Revert)] == [Revert(report.update_id + 1, fake.seen[-2].reason)]
+        assert not link.serving
+        with pytest.raises(FailedClosedError, match="push a good update"):
+            link.default_lora()
+        sender.push([("a", torch.zeros(3))])  # a commit (unverified here) serves again
+        assert link.serving and link.default_lora() is None
+
+
+def test_link_follows_workers_that_fail_a_commit_closed_on_their_own_count():
+    from colosync.engines.store import StoreEngine
+    from colosync.engines.vllm.link import VllmLink
+
+    class CountingStore(StoreEngine):  # counts what each commit changed; ``short``: one tensor short
+        short = False
+
+        def commit(self, prepared, update_id):
+            super().commit(prepared, update_id)
+            return Changes(len(prepared) - self.short, len(prepared))
+
+    fake = _FakeLLM(store=CountingStore)
+    link = VllmLink(fake)
+    with Sender(link, transport="shm") as sender:
+        good = sender.push([("a", torch.ones(3))])
+        assert link.serving and fake.version == str(good.update_id)
+        for store in fake.stores:
+            store.short = True
+        with pytest.raises(DeliveryError, match="changed 1 .* names 2.*fails closed"):
+            sender.push([("a", torch.zeros(3)), ("b", torch.zeros(1))])
+    assert not link.serving and link.committed_update_id == good.update_id + 1
+    assert fake.version == str(good.update_id + 1)  # labelled with what the workers hold now
+    with pytest.raises(FailedClosedError, match="push a good update"):
+        link.default_lora()
+
+
+def test_a_hosted_engine_is_verified_once_by_its_host():
+    """The host scores the probe and reverts; the link behind it never sees the probe."""
+    from colosync.engines.config import Score, Scores
+    from colosync.engines.host import EngineHost, LinkTransactions
+
+    sent = []
+    link = SimpleNamespace(submit=lambda r: sent.append(r) or SimpleNamespace(wait=lambda: Ack(7)),
+                           close=lambda: None)
+
+    class Scorer:
+        requests, replies = (Score,), (Scores,)
+
+        def handle(self, request):
+            return Scores(7, [[-2.0]])  # the trainer said -1.0: a deviation of 1.0
+
+    host = EngineHost(LinkTransactions(link), Scorer())
+    host.owner = host._local
+    reply = host.handle(Commit(7, probe=Probe([[1]], [[2]], [[-1.0]])))
+    assert reply.error == "DeliveryError" and "max |engine - trainer logprob| 1" in reply.message
+    assert [type(r).__name__ for r in sent] == ["Commit", "Revert", "Status"] and sent[0] == Commit(7)
+
+
 def test_link_reports_a_missing_worker_extension():
-    from colosync.engines.vllm.client import VllmLink
+    from colosync.engines.vllm.link import VllmLink
 
     class NoExtension:
         llm_engine = SimpleNamespace(engine_core=SimpleNamespace())
@@ -352,3 +638,71 @@ def test_link_reports_a_missing_worker_extension():
 
     with pytest.raises(EngineError, match="worker_extension_cls"):
         VllmLink(NoExtension()).info()
+
+
+# -- tied embeddings (a second, one-worker engine over a tiny Qwen2 with tie_word_embeddings) --
+
+TIED_PROMPTS = [[1, 17, 33, 250, 9, 77], [1, 99, 4, 8]]
+
+
+def vllm_score(llm, prompts, completions, lora=None):
+    """Per-token logprobs of ``completions`` as vLLM computes them (prompt logprobs, one sequence per call)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    rows = []
+    for prompt, completion in zip(prompts, completions):
+        [out] = llm.generate(TokensPrompt(prompt_token_ids=list(prompt) + list(completion)), params,
+                             lora_request=lora, use_tqdm=False)
+        rows.append([step[t].logprob for step, t in zip(out.prompt_logprobs[len(prompt):], completion)])
+    return rows
+
+
+def _scaled(model, factor):
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in scaled.parameters():  # the tied lm_head is the embedding: scaled once, with it
+            p.mul_(factor)
+    return scaled
+
+
+@pytest.fixture(scope="module")
+def tied(vllm_tied_llm, vllm_tied_model_dir):
+    from colosync.engines.vllm.client import VllmEngine
+
+    base = load_model(vllm_tied_model_dir)
+    assert base.lm_head.weight is base.model.embed_tokens.weight, "the model must tie lm_head to the embedding"
+    completions = greedy(base, TIED_PROMPTS, 6)[0]
+    engine = VllmEngine(vllm_tied_llm)
+    with Sender(engine.link, transport="shm") as sender:
+        yield SimpleNamespace(llm=vllm_tied_llm, engine=engine, sender=sender, base=base, completions=completions)
+
+
+def test_full_update_of_a_tied_embedding_reaches_the_lm_head(tied):
+    """vLLM's CPU backend prepacks the lm_head GEMM at load; a reload must re-pack the tied head too."""
+    assert max_diff(vllm_score(tied.llm, TIED_PROMPTS, tied.completions),
+                    score(tied.base, TIED_PROMPTS, tied.completions)) <= TOL
+    updated = _scaled(tied.base, 1.1)
+    tied.sender.push(updated.named_parameters())  # lm_head.weight is not among them: it is the embedding
+    got = vllm_score(tied.llm, TIED_PROMPTS, tied.completions)
+    want = score(updated, TIED_PROMPTS, tied.completions)
+    assert max_diff(got, want) <= TOL, f"vLLM computes logits with a stale lm_head: off by {max_diff(got, want):.3g}"
+
+
+def test_tied_state_dict_with_lm_head_is_accepted_and_counted(tied):
+    """A full ``state_dict()`` names ``lm_head.weight`` too; the engine ties it, so it must equal the embedding."""
+    updated = _scaled(tied.base, 1.2)
+    state = updated.state_dict()
+    assert "lm_head.weight" in state
+    with probing(tied.sender, Probe(TIED_PROMPTS, tied.completions, score(updated, TIED_PROMPTS, tied.completions),
+                                    tolerance=TOL)) as link:
+        tied.sender.push(list(state.items()))
+    delivery = link.acks[-1].delivery
+    assert delivery.changed == delivery.expected == vllm_layers(updated.named_parameters())
+    assert delivery.max_deviation <= TOL
+    before = tied.engine.committed_update_id
+    state["lm_head.weight"] = state["lm_head.weight"] + 0.01
+    with pytest.raises(TiedWeightError, match="lm_head.weight"):
+        tied.sender.push(list(state.items()))
+    assert tied.engine.committed_update_id == before

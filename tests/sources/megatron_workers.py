@@ -331,7 +331,6 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
     import msgspec
     from megatron.core import parallel_state
 
-    from colosync.engines.hf import HFEngine
     from colosync.engines.process import EngineAddress, connect
     from colosync.wire.manifest import LoraSpec
     from colosync.sync.sender import Sender
@@ -357,7 +356,7 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
     if not source.is_sender:
         source.push(None)
         return {"is_sender": False, "yielded": source.stats.tensors_yielded}
-    link = connect(msgspec.msgpack.decode(address_bytes, type=EngineAddress), HFEngine)
+    link = connect(msgspec.msgpack.decode(address_bytes, type=EngineAddress), "hf")
     try:
         with Sender(link, transport="shm") as sender:
             report = source.push(sender)

@@ -45,7 +45,7 @@ def test_roundtrip_msgpack_and_json():
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda d: d["layout"]["tensors"][0].update(shape=[8, -64]), "negative dimension"),
+        (lambda d: d["layout"]["tensors"][0].update(shape=[8, -64]), r">= 0 - at `\$.layout.tensors\[0\].shape\[1\]`"),
         (lambda d: d["layout"]["tensors"][0].update(nbytes=5), "needs 1024"),
         (lambda d: d["layout"]["tensors"][0].update(offset=3), "aligned"),
         (lambda d: d["layout"]["tensors"][0].update(bucket=9), "but the update has 3 buckets"),
@@ -56,8 +56,12 @@ def test_roundtrip_msgpack_and_json():
         (lambda d: d.update(update_id=0), "positive integer"),
         (lambda d: d.update(lora=None), "needs a LoraSpec"),
         (lambda d: d.update(kind="delta"), "kind"),
-        (lambda d: d["lora"].update(rank=0), "rank must be > 0"),
-        (lambda d: d["layout"].update(bucket_sizes=[d["layout"]["bucket_sizes"][0], -64]), "multiple of 64"),
+        (lambda d: d["lora"].update(rank=0), r">= 1 - at `\$.lora.rank`"),
+        (lambda d: d.update(update_id=2**63), "<= 9223372036854775807"),
+        (lambda d: d["layout"]["tensors"][0].update(shape=[1] * 17), "length <= 16"),
+        (lambda d: d["layout"]["tensors"][0].update(name="x" * 5000), "length <= 4096"),
+        (lambda d: d["layout"].update(bucket_sizes=[d["layout"]["bucket_sizes"][0], 65]), "multiple of 64"),
+        (lambda d: d["layout"].update(bucket_sizes=[d["layout"]["bucket_sizes"][0], -64]), r">= 0 - at `\$.layout.bucket_sizes\[1\]`"),
         (lambda d: d["layout"]["tensors"][0].update(shape="8x64"), "Expected `array`"),
     ],
 )

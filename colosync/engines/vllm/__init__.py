@@ -2,7 +2,8 @@
 
 - ``worker``: ``ColosyncWorkerExtension`` (pass ``WORKER_EXTENSION`` as ``LLM(worker_extension_cls=...)``),
   a Receiver in every vLLM worker, and ``VllmTarget``, the ``EngineTarget`` over vLLM's model.
-- ``client``: ``VllmEngine`` / ``AsyncVllmEngine`` and their links over ``collective_rpc``.
+- ``link``: the links over ``collective_rpc`` and the commit choreography (pause, commit, verify, resume).
+- ``client``: ``VllmEngine`` / ``AsyncVllmEngine``, ``version_of``, ``score_completions``.
 - ``serving``: ``VllmServing``, Generate/Score over ``LLM.generate`` behind the common ``EngineHost``.
 - ``memory``: vLLM's sleep mode as a handoff participant.
 
@@ -10,7 +11,8 @@ Nothing here imports vLLM at module scope. The names below are re-exported so th
 ``colosync.engines.vllm.ColosyncWorkerExtension`` (the path of colosync 0.1) keeps working.
 """
 
-from colosync.engines.vllm.client import AsyncVllmEngine, AsyncVllmLink, CommitMode, VllmEngine, VllmLink
+from colosync.engines.vllm.client import AsyncVllmEngine, VllmEngine
+from colosync.engines.vllm.link import AsyncVllmLink, CommitMode, VllmLink
 from colosync.engines.vllm.worker import (
     ADAPTER_ID,
     ADAPTER_NAME,

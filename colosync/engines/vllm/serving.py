@@ -5,6 +5,11 @@ and score fixed completions (the parity probe). Serving them here, behind ``Engi
 lets one driver talk to vLLM or the hf engine through one link, in an ``EngineProcess`` or a
 Ray actor alike. Transaction messages go on to the Receivers in vLLM's workers through
 ``VllmEngine.link``; every reply carries the update id vLLM says produced it.
+
+Verification. The host checks a ``Commit``'s ``Probe`` itself (it calls ``Score`` and sends
+``Revert`` on a deviation) and hands the link a plain ``Commit``: the link, which verifies
+probes for an in-process ``VllmEngine``, does not verify a second time here. Its ``Revert``
+choreography (pause, revert, relabel, resume) still applies.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class VllmServing:
 
     def transactions(self, policy: Any) -> LinkTransactions:
         # The workers' Receivers run with their own default policy; vLLM's collective RPC
-        # reaches them only through the worker extension.
+        # reaches them only through the worker extension. The host verifies probes itself.
         return LinkTransactions(self.engine.link)
 
     def handle(self, request: Generate | Score) -> Generation | Scores:
@@ -63,7 +68,8 @@ class VllmServing:
         raise ManifestError(f"the vLLM engine serves Generate and Score, not {type(request).__name__}")
 
     def _lora(self) -> Any:
-        return self.engine.lora_request if self.engine.link.lora_update_id else None
+        """The served adapter, else None; raises ``FailedClosedError`` while the engine refuses to serve."""
+        return self.engine.link.default_lora()
 
     def _generate(self, request: Generate) -> Generation:
         from vllm import SamplingParams, TokensPrompt
@@ -85,17 +91,8 @@ class VllmServing:
         return Generation(_one_version(versions), tokens, logprobs)
 
     def _score(self, request: Score) -> Scores:
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        result, versions = [], set()
-        for prompt, completion in zip(request.prompts, request.completions, strict=True):
-            # One sequence per call: vLLM 0.32's CPU LoRA path fails on batched prompt logprobs.
-            [out] = self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt) + list(completion)), params,
-                                      lora_request=self._lora(), use_tqdm=False)
-            steps = out.prompt_logprobs[len(prompt) :]
-            result.append([step[t].logprob for step, t in zip(steps, completion, strict=True)])
-            versions.add(self.engine.version_of(out))
+        # The same scoring the link verifies a probe with (one sequence per generate call).
+        result, versions = self.engine.link.score(request.prompts, request.completions, self._lora())
         return Scores(_one_version(versions), result)
 
 

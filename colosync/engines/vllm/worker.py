@@ -1,6 +1,6 @@
 """The engine side of colosync inside vLLM: a Receiver in every vLLM worker process.
 
-Why this shape (the trainer side is ``colosync.engines.vllm.client``):
+Why this shape (the trainer side is ``colosync.engines.vllm.link`` and ``client``):
 
 * vLLM runs the model in worker processes the trainer cannot reach directly. The only
   supported door is ``collective_rpc``, which runs a named method of every worker between
@@ -17,7 +17,15 @@ Why this shape (the trainer side is ``colosync.engines.vllm.client``):
 * Full updates are validated whole before a byte moves (including vLLM's fused groups: q/k/v
   and gate/up must travel together), then applied on commit through the model's own
   ``load_weights`` inside vLLM's in-place reload, which stacks qkv / gate_up, shards for
-  tensor parallelism and re-runs the CPU backend's weight prepacking.
+  tensor parallelism and re-runs the CPU backend's weight prepacking -- for every layer it
+  loaded. A tied ``lm_head`` loads nothing (it *is* the embedding), so the reload leaves its
+  GEMM prepacked from the old weights (and may leave it untied from a re-materialized
+  embedding): after a reload colosync re-ties it and re-runs its weight processing.
+* Commits count what they changed (``Changes``): LoRA modules that really landed in vLLM's
+  LoRA slots, or vLLM layers ``load_weights`` really loaded, against what the manifest
+  names; the Receiver reverts on a mismatch. A LoRA commit can be reverted (the previous
+  ``LoRAModel`` stays referenced until the next commit); a full one cannot, so the
+  Receiver fails closed (``Ack.serving=False``) until an update commits.
 * Atomicity. A commit is choreographed by the trainer side: pause scheduling until in-flight
   requests drain (new ones queue), commit on every worker, label the engine's weight version
   with the ``update_id``, reset the prefix cache (cached KV was computed by the old version),
@@ -25,6 +33,10 @@ Why this shape (the trainer side is ``colosync.engines.vllm.client``):
   ``weight_versions`` spans on each output say which (``VllmEngine.version_of``).
 
 vLLM is imported only inside this module, and only inside functions that need it.
+
+One module on purpose (~500 lines): ``VllmTarget`` is one ``EngineTarget`` whose methods each reach
+into the same vLLM internals (runner, LoRA manager, reload), and reading them side by side is
+what makes a vLLM upgrade reviewable.
 """
 
 from __future__ import annotations
@@ -39,7 +51,8 @@ import torch
 from colosync.engines.host import EngineHost, codecs
 from colosync.errors import RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, parse_lora_name
+from colosync.sync.target import (Changes, EngineTarget, ModelSpec, ParamSpec, parse_lora_name, tied_parameters,
+                                  untie)
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Failed
 
@@ -66,6 +79,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     max_lora_rank: int
     committed_update_id: int
     lora_update_id: int  # the update that installed the served adapter; 0 if none
+    serving: bool = True  # False: failed closed (a full update did not verify); push a good update
 
 
 
@@ -76,13 +90,36 @@ class WorkerInfo(msgspec.Struct, frozen=True):
 
 
 class _PreparedLora:
-    def __init__(self, lora: Any) -> None:
+    def __init__(self, lora: Any, expected: int) -> None:
         self.lora = lora  # vllm.lora.lora_model.LoRAModel, built in memory
+        self.expected = expected  # distinct HF modules the manifest puts a LoRA on
 
 
 class _PreparedFull:
-    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, named: list[tuple[str, torch.Tensor]], layers: set[str]) -> None:
         self.named = named
+        self.layers = layers  # the vLLM layers these HF parameters load into (``_group_of``)
+
+
+def placed_lora_modules(manager: Any, lora: Any) -> int:
+    """How many HF modules of ``lora`` sit in the adapter manager's LoRA slots.
+
+    Counted from the ``LoRAModel`` after ``add_adapter`` (which packs q/k/v into ``qkv_proj``
+    and gate/up into ``gate_up_proj``) against the modules the manager really has a slot
+    for, as ``activate_adapter`` places them: a packed module counts each of its non-empty
+    sub-LoRAs, a plain one counts once. An adapter that is not active counts nothing.
+    """
+    active = getattr(manager, "_active_adapters", None)
+    if active is not None and lora.id not in active:
+        return 0
+    count = 0
+    for name in manager.modules:
+        weights = lora.get_lora(name)
+        if weights is None:
+            continue
+        parts = weights.lora_a if isinstance(weights.lora_a, (list, tuple)) else [weights.lora_a]
+        count += sum(part is not None for part in parts)
+    return count
 
 
 class VllmTarget(EngineTarget):
@@ -101,6 +138,11 @@ class VllmTarget(EngineTarget):
             self._groups.setdefault(self._group_of(name), set()).add(name)
         self._served: Any = None  # the LoRAModel currently installed under ADAPTER_ID
         self.lora_update_id = 0
+        # What a revert of the last commit reinstates (kept until the next commit): the
+        # LoRAModel served before it and the update that installed that one.
+        self._last_commit: tuple[str, int] | None = None  # (kind, update_id)
+        self._previous: Any = None
+        self._previous_lora_update_id = 0
 
     # -- model description ------------------------------------------------------------------
     def _model(self) -> torch.nn.Module:
@@ -134,13 +176,15 @@ class VllmTarget(EngineTarget):
             log.warning("colosync: cannot describe %s on meta (%s); full updates disabled",
                         type(text_config).__name__, exc)
             return ModelSpec({}, {}, self._max_rank(), self._lora_dtype())
+        # named_parameters() lists a tied lm_head once, as the embedding; ``tied`` lets a full
+        # state_dict() through (its lm_head.weight must equal the embedding and is dropped).
         params = {name: ParamSpec(tuple(p.shape), dtype) for name, p in hf_model.named_parameters()}
         lora_modules: dict[str, tuple[int, int]] = {}
         leaves = self._lora_leaves()
         for name, module in hf_model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves:
                 lora_modules[name] = (module.in_features, module.out_features)
-        return ModelSpec(params, lora_modules, self._max_rank(), self._lora_dtype())
+        return ModelSpec(params, lora_modules, self._max_rank(), self._lora_dtype(), tied=tied_parameters(hf_model))
 
     def _lora_leaves(self) -> set[str]:
         """Leaf module names vLLM can put a LoRA on (q_proj, ..., with packed ones unfolded)."""
@@ -176,7 +220,7 @@ class VllmTarget(EngineTarget):
                 f"full updates need the model's HF layout, which transformers cannot build for "
                 f"{type(self.hf_config).__name__}; send LoRA updates or upgrade transformers"
             )
-        names = {t.name for t in manifest.tensors}
+        names = {self._spec.tied.get(t.name, t.name) for t in manifest.tensors}  # a tied alias is its tie
         for key in sorted({self._group_of(n) for n in names}):
             missing = sorted(self._groups.get(key, set()) - names)  # unknown names: validate_manifest
             if missing:
@@ -223,11 +267,15 @@ class VllmTarget(EngineTarget):
     # -- EngineTarget -----------------------------------------------------------------------
     def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
         if manifest.kind == "lora":
-            return _PreparedLora(self._build_lora(manifest, tensors))
+            expected = len({parse_lora_name(name)[0] for name in tensors})
+            return _PreparedLora(self._build_lora(manifest, tensors), expected)
+        # The Receiver drops tied aliases (``untie``) before prepare; this is then a no-op,
+        # and keeps a state_dict() with lm_head.weight working under a Receiver that does not.
+        tensors = untie(manifest, tensors, self._spec)
         named = [
             (name, t.to(dtype=self._spec.params[name].dtype, copy=True)) for name, t in tensors.items()
         ]
-        return _PreparedFull(named)
+        return _PreparedFull(named, {self._group_of(name) for name in tensors})
 
     def _build_lora(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
         from vllm.lora.lora_model import LoRAModel
@@ -267,12 +315,45 @@ class VllmTarget(EngineTarget):
             )
         return lora
 
-    def commit(self, prepared: Any, update_id: int) -> None:
+    def commit(self, prepared: Any, update_id: int) -> Changes:
         if isinstance(prepared, _PreparedLora):
+            previous, previous_id = self._served, self.lora_update_id
             self._install(prepared.lora)
+            self._previous, self._previous_lora_update_id = previous, previous_id
             self.lora_update_id = update_id
+            self._last_commit = ("lora", update_id)
+            changes = Changes(placed_lora_modules(self._adapter_manager(), prepared.lora), prepared.expected)
         else:
-            self._load_full(prepared.named)
+            loaded = self._load_full(prepared.named)
+            self._previous, self._last_commit = None, ("full", update_id)  # nothing to revert to
+            changes = Changes(len(prepared.layers & loaded), len(prepared.layers))
+        if changes.changed != changes.expected:
+            log.warning("colosync: update %d changed %d of the %d %s its manifest names", update_id,
+                        changes.changed, changes.expected,
+                        "LoRA modules" if isinstance(prepared, _PreparedLora) else "vLLM layers")
+        return changes
+
+    def revert(self, update_id: int) -> bool:
+        """Serve again the LoRA served before LoRA update ``update_id`` (or none); False for a full update."""
+        if self._last_commit != ("lora", update_id):
+            return False
+        manager = self._adapter_manager()
+        previous = self._previous
+        self._last_commit, self._previous = None, None
+        manager.remove_adapter(ADAPTER_ID)
+        self._served = None
+        if previous is not None:
+            try:
+                self._add_and_pin(manager, previous)  # already packed and folded: adding again folds nothing
+            except Exception:
+                log.exception("colosync: could not reinstate the LoRA of update %d", self._previous_lora_update_id)
+                manager.remove_adapter(ADAPTER_ID)
+                self.lora_update_id = 0
+                return False
+        self._served = previous
+        self.lora_update_id = self._previous_lora_update_id
+        log.info("colosync: reverted LoRA update %d; serving the LoRA of update %d", update_id, self.lora_update_id)
+        return True
 
     def _install(self, lora: Any) -> None:
         """Swap ``lora`` in under ADAPTER_ID; on failure put the previous version back."""
@@ -293,20 +374,71 @@ class VllmTarget(EngineTarget):
         manager.add_adapter(lora)  # packs q/k/v, gate/up and folds scaling once
         manager.pin_adapter(ADAPTER_ID)  # activate into a slot; never evicted by the LRU
 
-    def _load_full(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _load_full(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """Reload ``named`` in place; returns the vLLM layers ``load_weights`` loaded."""
         runner = self.worker.model_runner
+        model = self._model()
+        loaded: set[str] = set()
+        load_weights = model.load_weights
+
+        def counted(weights: Any) -> Any:
+            result = load_weights(weights)
+            loaded.update(result or ())
+            return result
+
         # vLLM's in-place reload drives model.load_weights (stacking, TP sharding) and then
         # re-runs per-layer post-processing (the CPU backend prepacks linear weights); it
-        # also drops every registered LoRA, so the served adapter is put back afterwards.
-        runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        # also drops every registered LoRA, so the served adapter is put back afterwards. It
+        # does not pass on what load_weights loaded, so the call is observed on its way.
+        model.load_weights = counted
+        try:
+            runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        finally:
+            del model.load_weights
+        layers = {name.replace(".base_layer.", ".").rpartition(".")[0] for name in loaded}
+        self._refresh_tied(model, layers)
         if self._served is not None:
             self._add_and_pin(self._adapter_manager(), self._served)
+        return layers
+
+    def _refresh_tied(self, model: torch.nn.Module, reloaded: set[str]) -> None:
+        """Re-tie each tied layer (``lm_head``) to its tie and re-run its weight processing.
+
+        The reload processes only layers it loaded into; a tied ``lm_head`` loads nothing,
+        so its CPU GEMM stays prepacked from the old embedding (vLLM 0.32 keeps the tie
+        itself; a reload that re-materializes the embedding would also leave the head on
+        the old parameter). ``reloaded``: the layers the reload loaded.
+        """
+        for alias, canonical in self._spec.tied.items():
+            try:
+                layer = _unwrap(model.get_submodule(alias.rpartition(".")[0]))
+                tie = _unwrap(model.get_submodule(canonical.rpartition(".")[0]))
+            except AttributeError:  # not on this rank (pipeline parallel) or laid out otherwise
+                continue
+            leaf, tie_leaf = alias.rpartition(".")[2], canonical.rpartition(".")[2]
+            weight, tie_weight = getattr(layer, leaf, None), getattr(tie, tie_leaf, None)
+            if not isinstance(tie_weight, torch.nn.Parameter) or weight is None:
+                continue
+            retie = weight is not tie_weight
+            if retie:
+                log.info("colosync: the reload untied %s from %s; tying it again", alias, canonical)
+                setattr(layer, leaf, tie_weight)
+            elif canonical.rpartition(".")[0] not in reloaded:
+                continue  # the tie did not change: the head's packed GEMM is still right
+            method = getattr(layer, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(layer)  # the CPU backend re-packs its GEMM here
 
     def discard(self, prepared: Any) -> None:
         if isinstance(prepared, _PreparedFull):
             prepared.named.clear()
         elif isinstance(prepared, _PreparedLora):
             prepared.lora = None
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The layer under vLLM's LoRA wrapper (``base_layer``), or the layer itself."""
+    return getattr(module, "base_layer", module)
 
 
 class _WorkerState:
@@ -351,6 +483,7 @@ class ColosyncWorkerExtension:
             max_lora_rank=int(target.lora_config.max_lora_rank) if target.lora_config else 0,
             committed_update_id=state.receiver.committed_update_id,
             lora_update_id=target.lora_update_id,
+            serving=state.receiver.status().serving,
         )
         return msgspec.msgpack.encode(info)
 
@@ -362,4 +495,4 @@ class ColosyncWorkerExtension:
 
 
 __all__ = ["ADAPTER_ID", "ADAPTER_NAME", "ColosyncWorkerExtension", "IN_MEMORY_PATH", "VllmTarget",
-           "WORKER_EXTENSION", "WorkerInfo"]
+           "WORKER_EXTENSION", "WorkerInfo", "placed_lora_modules"]

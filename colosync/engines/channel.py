@@ -1,0 +1,301 @@
+"""The engine process's control channel: framed, authenticated messages over a Unix socket.
+
+An engine must outlive every client, and no client may stall another. So the server side is
+an asyncio loop with one task per connection: a client that sends half a message, never
+authenticates, stops reading its replies or dies only ever blocks its own task, and each of
+those has a deadline (authentication, the rest of a message once its header arrived). Engine
+work runs on one worker thread in arrival order, so the loop keeps accepting and reading
+while the engine computes. When a connection ends for any reason the host is told at once
+(``EngineHost.close_session``), which aborts that client's in-flight update: a trainer killed
+mid-push costs its own update within milliseconds, not a 60 s timeout.
+
+Why asyncio streams rather than pyzmq (which vLLM and SGLang use for their engine IPC):
+ZeroMQ's ROUTER socket hides the connection a message came from, so a peer that dies is
+invisible to the application; the end of a Unix-socket stream is exactly the signal the
+engine needs, and the standard library already gives per-connection streams, deadlines and
+back-pressure. The framing is a 4-byte big-endian length before each msgpack message.
+
+Authentication keeps what ``multiprocessing.connection`` did: the socket lives in a private
+0700 directory, and a client proves it holds the engine's 32-byte key by answering a random
+challenge with an HMAC-SHA256 before any message is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from colosync.engines.config import EngineAddress
+from colosync.errors import AuthenticationError, EngineError, ManifestError
+from colosync.sync.link import unwrap
+from colosync.wire.protocol import MAX_MESSAGE_BYTES, Codec, Failed, Hello
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+_CHALLENGE_BYTES = 32
+_WELCOME = b"colosync-ok"
+
+
+def _digest(key: bytes, challenge: bytes) -> bytes:
+    return hmac.new(key, challenge, hashlib.sha256).digest()
+
+
+def frame(data: bytes) -> bytes:
+    return _HEADER.pack(len(data)) + data
+
+
+class Deadlines(msgspec.Struct, frozen=True):
+    """How long a client may take, per step, before the engine drops it."""
+
+    authenticate_s: float = 2.0  # from connect to a correct challenge answer
+    message_s: float = 10.0  # from a message's header to its last byte
+    pending_replies: int = 4096  # requests a client may have in flight before its reads are paused
+
+
+# =========================================================================================
+# Server side (inside the engine process).
+# =========================================================================================
+
+
+class ChannelServer:
+    """Serve ``handle(session, data) -> bytes`` to every authenticated connection on ``address``.
+
+    ``open_session()``, ``handle(session, data)`` and ``close_session(session, reason)`` run on
+    one worker thread, in the order the messages arrived; nothing a client does can raise out
+    of the loop.
+    """
+
+    def __init__(
+        self,
+        address: EngineAddress,
+        open_session: Callable[[], Any],
+        handle: Callable[[Any, bytes], bytes],
+        close_session: Callable[[Any, str], None],
+        deadlines: Deadlines | None = None,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 0.5,
+    ) -> None:
+        self.address = address
+        self.deadlines = deadlines or Deadlines()
+        self._open, self._handle, self._close, self._tick = open_session, handle, close_session, tick
+        self._tick_s = tick_s
+        self._engine = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colosync-engine")
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.connections = 0
+
+    def stop(self) -> None:
+        """Ask the server to stop (thread-safe); ``serve`` returns once connections are closed."""
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def serve(self, ready: Callable[[], None] | None = None) -> None:
+        """Run until ``stop``; ``ready`` is called once the socket listens."""
+        asyncio.run(self._serve(ready))
+        self._engine.shutdown(wait=True)
+
+    async def _serve(self, ready: Callable[[], None] | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        server = await asyncio.start_unix_server(self._connection, path=self.address.path,
+                                                 limit=MAX_MESSAGE_BYTES + _HEADER.size)
+        os.chmod(self.address.path, 0o600)
+        ticker = asyncio.create_task(self._ticks()) if self._tick is not None else None
+        if ready is not None:
+            ready()
+        async with server:
+            await self._stopping.wait()
+        if ticker is not None:
+            ticker.cancel()
+
+    async def _ticks(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._tick_s)
+            await loop.run_in_executor(self._engine, self._safe, self._tick)
+
+    @staticmethod
+    def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception:  # the engine's own bug: log it, keep serving
+            log.exception("engine channel: %s failed", getattr(fn, "__name__", fn))
+            return None
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+        writer.write(challenge)
+        await writer.drain()
+        answer = await reader.readexactly(32)
+        if not hmac.compare_digest(answer, _digest(self.address.authkey, challenge)):
+            raise AuthenticationError("wrong key")
+        writer.write(_WELCOME)
+        await writer.drain()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self._authenticate(reader, writer), self.deadlines.authenticate_s)
+        except (TimeoutError, AuthenticationError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            log.warning("engine channel: dropped a client that did not authenticate (%s)", type(exc).__name__)
+            writer.close()
+            return
+        self.connections += 1
+        session = await loop.run_in_executor(self._engine, self._open)
+        replies: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue(self.deadlines.pending_replies)
+        writing = asyncio.create_task(self._write_replies(writer, replies))
+        why = "the client closed the connection"
+        try:
+            while True:
+                header = await reader.readexactly(_HEADER.size)  # idle between messages is fine
+                (size,) = _HEADER.unpack(header)
+                if size > MAX_MESSAGE_BYTES:
+                    why = f"it announced a {size}-byte message (limit {MAX_MESSAGE_BYTES})"
+                    break
+                data = await asyncio.wait_for(reader.readexactly(size), self.deadlines.message_s)
+                await replies.put(loop.run_in_executor(self._engine, self._handle, session, data))
+        except TimeoutError:
+            why = f"it stopped mid-message for {self.deadlines.message_s}s"
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            why = f"the connection ended ({type(exc).__name__})"
+        except asyncio.CancelledError:
+            why = "the engine is shutting down"
+        finally:
+            # The client is gone or dropped: stop writing to it, let what it already sent run (or
+            # be cancelled if not started), then end its session, which aborts its update.
+            writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writing
+            while not replies.empty():
+                queued = replies.get_nowait()
+                if queued is not None:
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await queued
+            await loop.run_in_executor(self._engine, self._safe, self._close, session, why)
+            writer.close()
+            self.connections -= 1
+            log.info("engine channel: client left: %s", why)
+
+    @staticmethod
+    async def _write_replies(writer: asyncio.StreamWriter, replies: asyncio.Queue) -> None:
+        alive = True
+        while (pending := await replies.get()) is not None:
+            data = await pending
+            if not alive:
+                continue  # keep consuming, so the reader never blocks on a full queue
+            try:
+                writer.write(frame(data))
+                await writer.drain()
+            except (ConnectionError, RuntimeError):  # the client is gone: drop its replies, end its reads
+                alive = False
+                writer.transport.abort()
+
+
+# =========================================================================================
+# Client side (a trainer, a driver, a replacement sender): blocking, pipelined.
+# =========================================================================================
+
+
+class SocketLink:
+    """A ``Link`` to an engine process: ordered request/reply over one authenticated connection.
+
+    ``submit`` writes the request and returns at once; replies are read in order, on ``wait``.
+    The first message on every connection is a ``Hello`` with this process's pid, which the
+    engine uses to tell when the client has died.
+    """
+
+    def __init__(self, address: EngineAddress, codec: Codec, reply_codec: Codec, name: str = "",
+                 timeout_s: float | None = None) -> None:
+        self._codec, self._reply_codec = codec, reply_codec
+        self._waiting: deque[_Pending] = deque()
+        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(30.0)
+            self._sock.connect(address.path)
+            challenge = self._read_exactly(_CHALLENGE_BYTES)
+            self._sock.sendall(_digest(address.authkey, challenge))
+            if self._read_exactly(len(_WELCOME)) != _WELCOME:
+                raise AuthenticationError("the engine refused this connection's key; connect with engine.address")
+            self._sock.settimeout(timeout_s)
+        except (OSError, EOFError) as exc:
+            raise EngineError(f"cannot reach the engine at {address.path}: {exc}; is it running?") from exc
+        self.call(Hello(pid=os.getpid(), host=socket.gethostname(), name=name))
+
+    def submit(self, request: msgspec.Struct) -> _Pending:
+        data = frame(self._codec.encode(request))
+        with self._lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
+            pending = _Pending(self)
+            self._waiting.append(pending)
+        return pending
+
+    def call(self, request: msgspec.Struct) -> Any:
+        return self.submit(request).wait()
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _read_exactly(self, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = self._sock.recv(left)
+            if not chunk:
+                raise EOFError("the engine closed the connection")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _receive_until(self, target: _Pending) -> None:
+        with self._lock:
+            while not target.done:
+                try:
+                    (size,) = _HEADER.unpack(self._read_exactly(_HEADER.size))
+                    data = self._read_exactly(size)
+                except TimeoutError:
+                    raise EngineError(f"the engine did not answer within {self.timeout_s}s") from None
+                except (OSError, EOFError) as exc:
+                    raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
+                head = self._waiting.popleft()
+                try:
+                    head.reply = self._reply_codec.decode(data)
+                except ManifestError as exc:
+                    head.reply = Failed.from_exception(EngineError(f"the engine sent an unreadable reply: {exc}"))
+                head.done = True
+
+
+class _Pending:
+    def __init__(self, link: SocketLink) -> None:
+        self._link = link
+        self.reply: msgspec.Struct | None = None
+        self.done = False
+
+    def wait(self) -> Any:
+        if not self.done:
+            self._link._receive_until(self)
+        return unwrap(self.reply)
+
+
+__all__ = ["ChannelServer", "Deadlines", "SocketLink", "frame"]

@@ -1,0 +1,422 @@
+"""A ``Link`` to vLLM's workers over ``collective_rpc``, and the commit choreography around it.
+
+vLLM runs the model in worker processes the trainer cannot reach directly; the one
+supported door is ``collective_rpc``, which runs a named method of every worker between
+engine steps. Every control message goes to every worker as msgpack bytes (each receives the
+full update; vLLM shards it) and all must agree. A commit is choreographed here: pause
+scheduling until in-flight requests drain (new ones queue), commit on every worker, label
+the engine's weight version with the ``update_id``, reset the prefix cache (cached KV was
+computed by the old version), resume. Every output therefore ran with exactly one committed
+version, and vLLM's own ``weight_versions`` on each output say which (``version_of``).
+
+Verified commits. A ``Commit`` carrying a ``Probe`` goes to the workers without it; after
+resume the link scores the probe itself (``score_completions``, the scoring ``VllmServing``
+uses too) and compares with the trainer's logprobs (``Deviation``). The workers' count of
+what changed (``Ack.delivery``) must match what the manifest names. On a mismatch the link
+sends ``Revert`` (the workers' Receivers check the counts themselves too, and revert before
+replying): a LoRA update is rolled back to the previous adapter, a full one leaves
+the engine failed closed (``serving=False``: ``lora_request`` raises ``FailedClosedError``)
+until an update commits; either way the push fails with ``DeliveryError``. The probe is
+scored the way the engine serves by default: with the committed colosync adapter if there
+is one (also for a full update), else with the base model. The probe runs
+after resume, so with a synchronous ``LLM`` do not generate from another thread during a
+verified commit (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from colosync.engines.host import codecs
+from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, WORKER_EXTENSION, WorkerInfo
+from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError, FailedClosedError
+from colosync.sync.delivery import Deviation, delivery_error
+from colosync.sync.link import Done
+from colosync.wire.protocol import Ack, Begin, Commit, Delivery, Failed, Probe, Revert, Status, TransactionRequest
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from vllm.lora.request import LoRARequest
+
+log = logging.getLogger(__name__)
+
+CommitMode = Literal["wait", "keep"]
+
+_INFO = msgspec.msgpack.Decoder(WorkerInfo)
+
+GenerateOne = Callable[[list[int], Any, Any], Any]
+"""``(token_ids, sampling_params, lora_request) -> RequestOutput``: one sequence through vLLM."""
+
+
+def colosync_lora_request() -> LoRARequest:
+    """The ``LoRARequest`` every colosync adapter version is served under."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=ADAPTER_NAME, lora_int_id=ADAPTER_ID, lora_path=IN_MEMORY_PATH)
+
+
+def version_of(output: Any) -> int:
+    """The ``update_id`` whose weights produced ``output`` (a RequestOutput or CompletionOutput).
+
+    0 means the engine's initial weights. Raises ``EngineError`` if the tokens came from
+    more than one version (only possible with ``commit_mode="keep"``).
+    """
+    completions = getattr(output, "outputs", None) or [output]
+    versions: set[int] = set()
+    for completion in completions:
+        spans = getattr(completion, "weight_versions", None)
+        if spans is None:
+            raise EngineError(
+                "this output carries no weight_versions; pass the finished output that "
+                "LLM.generate returned (vLLM sets them on the final output only)"
+            )
+        for span in spans:
+            versions.add(0 if span.version == "default" else int(span.version))
+    if len(versions) > 1:
+        raise EngineError(f"output tokens came from several updates {sorted(versions)}")
+    return versions.pop() if versions else 0
+
+
+def score_completions(
+    generate_one: GenerateOne, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], lora: Any = None
+) -> tuple[list[list[float]], set[int]]:
+    """vLLM's logprob of every completion token given its prompt, and the updates that computed them.
+
+    Prompt logprobs of ``prompt + completion``, one sequence per ``generate_one`` call: vLLM
+    0.32's CPU LoRA path fails on batched prompt logprobs.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    result: list[list[float]] = []
+    versions: set[int] = set()
+    for prompt, completion in zip(prompts, completions, strict=True):
+        out = generate_one(list(prompt) + list(completion), params, lora)
+        steps = out.prompt_logprobs[len(prompt) :]
+        result.append([step[t].logprob for step, t in zip(steps, completion, strict=True)])
+        versions.add(version_of(out))
+    return result, versions
+
+
+class _VllmLinkBase:
+    """``colosync.sync.link.Link`` over ``collective_rpc``; subclasses say how to reach vLLM.
+
+    Every worker gets every message (each receives the full update; vLLM shards it) and all
+    must agree. ``Commit`` is wrapped in pause -> commit -> label version -> reset prefix
+    cache -> resume, so no request ever sees two versions; ``Revert`` the same way. A
+    ``Commit`` with a ``Probe`` is verified here, after resume (see the module docstring).
+    ``serving`` is False while the workers fail closed.
+    """
+
+    def __init__(self, commit_mode: CommitMode = "wait") -> None:
+        if commit_mode not in ("wait", "keep"):
+            raise ConfigError(f"commit_mode must be 'wait' or 'keep', got {commit_mode!r}")
+        self.commit_mode = commit_mode
+        self._requests, self._replies = codecs()  # one pair per link: the codec caches the last Begin
+        self._lock = threading.Lock()
+        self._kinds: dict[int, str] = {}
+        self.lora_update_id = 0
+        self.committed_update_id = 0
+        self.serving = True
+        self.failed_closed = ""  # why the engine refuses to serve, while it does
+        self._last_lora: tuple[int, int] | None = None  # (LoRA update committed last, the one before it)
+
+    # -- what subclasses provide ------------------------------------------------------------
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _pause(self) -> None:
+        raise NotImplementedError
+
+    def _resume(self) -> None:
+        raise NotImplementedError
+
+    def _label(self, version: str) -> None:
+        raise NotImplementedError
+
+    def _reset_prefix_cache(self) -> bool:
+        raise NotImplementedError
+
+    def _generate_one(self, token_ids: list[int], params: Any, lora: Any) -> Any:
+        """One sequence through the engine; returns its final ``RequestOutput``."""
+        raise NotImplementedError
+
+    # -- scoring ----------------------------------------------------------------------------
+    def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+              lora: Any = None) -> tuple[list[list[float]], set[int]]:
+        """``score_completions`` through this engine: per-token logprobs and the updates that computed them."""
+        return score_completions(self._generate_one, prompts, completions, lora)
+
+    def default_lora(self) -> Any:
+        """What generation uses by default: the committed colosync adapter, else the base model (None)."""
+        if not self.serving:
+            raise FailedClosedError(self.failed_closed or "the vLLM engine refuses to serve; push a good update")
+        return colosync_lora_request() if self.lora_update_id else None
+
+    # -- Link -------------------------------------------------------------------------------
+    def submit(self, request: TransactionRequest) -> Done:
+        try:
+            with self._lock:
+                if isinstance(request, Commit):
+                    return Done(self._commit(request))
+                if isinstance(request, Revert):
+                    return Done(self._revert(request))
+                if isinstance(request, Begin):
+                    self._kinds[request.manifest.update_id] = request.manifest.kind
+                return Done(self._call(request))
+        except ColosyncError as exc:
+            return Done(error=exc)
+        except Exception as exc:  # vLLM itself failed: the engine is gone or broken
+            return Done(error=EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}"))
+
+    def close(self) -> None:
+        pass
+
+    def info(self) -> list[WorkerInfo]:
+        """One ``WorkerInfo`` per worker; fails with the fix if the extension is missing."""
+        try:
+            replies = self._rpc("colosync_info")
+        except Exception as exc:
+            if "colosync_info" in str(exc) or isinstance(exc, AttributeError):
+                raise EngineError(
+                    "the vLLM workers lack colosync's extension; build the engine with "
+                    f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r})"
+                ) from exc
+            raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
+        infos = [_INFO.decode(bytes(r)) for r in replies]
+        with self._lock:
+            self.committed_update_id = max(i.committed_update_id for i in infos)
+            self.lora_update_id = max(i.lora_update_id for i in infos)
+            self._set_serving(all(i.serving for i in infos), self.committed_update_id)
+        return infos
+
+    # -- internals --------------------------------------------------------------------------
+    def _call(self, request: TransactionRequest) -> Ack:
+        data = self._requests.encode(request)
+        replies = [self._replies.decode(bytes(r)) for r in self._rpc("colosync_handle", data)]
+        if not replies:
+            raise EngineError("collective_rpc returned no worker replies; is the engine running?")
+        for reply in replies:
+            if isinstance(reply, Failed):
+                raise reply.to_exception()
+        committed = {r.committed_update_id for r in replies}
+        if len(committed) != 1:
+            raise EngineError(
+                f"vLLM workers disagree on the committed update ({sorted(committed)}); a commit "
+                "failed on some ranks: restart the engine, then push a full update"
+            )
+        ack = replies[0]
+        self.committed_update_id = ack.committed_update_id
+        self._set_serving(all(r.serving for r in replies), ack.committed_update_id)
+        return ack
+
+    def _set_serving(self, serving: bool, update_id: int) -> None:
+        if serving:
+            self.failed_closed = ""
+        elif self.serving or not self.failed_closed:
+            self.failed_closed = (
+                f"the vLLM engine refuses to serve (failed closed): update {update_id} committed but failed "
+                "verification and a full update cannot be rolled back; push a good update (one that commits and "
+                "verifies) to serve again")
+        self.serving = serving
+
+    def _switch(self, request: Commit | Revert) -> Ack:
+        """Send ``request`` with generation paused; label the version it leaves and drop stale KV."""
+        self._pause()
+        try:
+            try:
+                ack = self._call(request)
+            except DeliveryError:  # the workers committed, found it wrong and undid it (or failed closed)
+                self._relabel(self._call(Status()), request)  # what they serve now
+                raise
+            self._relabel(ack, request)
+        finally:
+            self._resume()
+        return ack
+
+    def _relabel(self, ack: Ack, request: Commit | Revert) -> None:
+        self._label(str(ack.committed_update_id))
+        if not self._reset_prefix_cache():
+            log.warning("colosync: vLLM did not reset its prefix cache after %s of update %d",
+                        type(request).__name__.lower(), request.update_id)
+
+    def _commit(self, request: Commit) -> Ack:
+        uid, probe = request.update_id, request.probe
+        kind = self._kinds.pop(uid, None)
+        ack = self._switch(Commit(uid) if probe is not None else request)  # the workers never see the probe
+        if kind == "lora":
+            self._last_lora = (uid, self.lora_update_id)
+            self.lora_update_id = uid
+        delivery = ack.delivery
+        if delivery is not None and delivery.changed != delivery.expected:
+            unit = "LoRA modules" if kind == "lora" else "layers"
+            self._fail(uid, f"the engine changed {delivery.changed} of the {delivery.expected} {unit} the manifest "
+                            "names")
+        if probe is None:
+            return ack
+        return msgspec.structs.replace(ack, delivery=self._verify(uid, probe, delivery))
+
+    def _verify(self, uid: int, probe: Probe, counted: Delivery | None) -> Delivery:
+        """Score ``probe`` on what the engine now serves; revert and raise if it deviates."""
+        start = time.perf_counter()
+        try:
+            scores, versions = self.score(probe.prompts, probe.completions, self.default_lora())
+        except Exception as exc:  # the engine could not even score: not a verified delivery
+            self._fail(uid, f"scoring the probe failed ({type(exc).__name__}: {exc})")
+            raise  # not reached: _fail raises
+        if versions != {uid}:
+            self._fail(uid, f"the probe was scored by updates {sorted(versions)}, not {uid}")
+        deviation = Deviation(probe, scores)
+        if not deviation.within(probe.tolerance):
+            self._fail(uid, f"{deviation}, over the probe's tolerance {probe.tolerance:g}")
+        seconds = time.perf_counter() - start
+        changed, expected = (counted.changed, counted.expected) if counted is not None else (0, 0)
+        return Delivery(changed, expected, deviation.value, seconds)
+
+    def _fail(self, uid: int, why: str) -> None:
+        """Revert committed update ``uid`` on the workers and raise the ``DeliveryError`` that says what they did."""
+        log.error("colosync: update %d failed verification: %s; reverting it", uid, why)
+        try:
+            after = self._revert(Revert(uid, why))
+        except ColosyncError as exc:
+            raise DeliveryError(f"update {uid} committed but failed verification: {why}; reverting it failed too "
+                                f"({type(exc).__name__}: {exc}): restart the engine, then push a good update") from exc
+        if not after.serving:
+            self.failed_closed = (f"the vLLM engine refuses to serve (failed closed): update {uid} committed but "
+                                  f"failed verification ({why}) and a full update cannot be rolled back; push a good "
+                                  "update (one that commits and verifies) to serve again")
+        raise delivery_error(uid, why, after)
+
+    def _revert(self, request: Revert) -> Ack:
+        ack = self._switch(request)
+        if ack.serving and ack.committed_update_id != request.update_id and self._last_lora is not None \
+                and self._last_lora[0] == request.update_id:
+            self.lora_update_id = self._last_lora[1]  # the adapter served before it is back
+            self._last_lora = None
+        return ack
+
+
+class VllmLink(_VllmLinkBase):
+    """Link to a synchronous ``vllm.LLM``."""
+
+    def __init__(self, llm: Any, commit_mode: CommitMode = "wait") -> None:
+        super().__init__(commit_mode)
+        self.llm = llm
+        self._engine_core = llm.llm_engine.engine_core
+        self._can_pause = _serialize_client_sends(self._engine_core)
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def _pause(self) -> None:
+        if self._can_pause:
+            self.llm.sleep(level=0, mode=self.commit_mode)
+
+    def _resume(self) -> None:
+        if self._can_pause:
+            self.llm.wake_up(tags=["scheduling"])
+
+    def _label(self, version: str) -> None:
+        self.llm.llm_engine.set_weight_version(version)
+
+    def _reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def _generate_one(self, token_ids: list[int], params: Any, lora: Any) -> Any:
+        from vllm import TokensPrompt
+
+        [out] = self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, lora_request=lora, use_tqdm=False)
+        return out
+
+
+def _serialize_client_sends(engine_core: Any) -> bool:
+    """Make the engine client safe for one generating thread plus colosync's control calls.
+
+    ``SyncMPClient`` writes every request to one ZeroMQ socket, and ZeroMQ sockets must not
+    be used by two threads at once; an RL loop that generates in one thread while the
+    trainer pushes updates from another would do exactly that. Wrap the send in a lock
+    (idempotent). Returns whether the engine runs out of process, i.e. whether it can be
+    paused while another thread waits on it.
+    """
+    send = getattr(engine_core, "_send_input", None)
+    if send is None:  # in-process engine core: no background loop, nothing runs concurrently
+        log.info("colosync: in-process vLLM engine core; commits cannot overlap generation")
+        return False
+    if not getattr(engine_core, "_colosync_send_lock", None):
+        lock = threading.Lock()
+
+        def locked_send(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return send(*args, **kwargs)
+
+        engine_core._send_input = locked_send
+        engine_core._colosync_send_lock = lock
+    return True
+
+
+class _AsyncBridge:
+    """Run an ``AsyncLLM`` coroutine from the Sender's thread and wait for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def run(self, coro: Any) -> Any:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise EngineError(
+                "a colosync Sender blocks, so it cannot run on the AsyncLLM's event loop; run it "
+                "in a thread: await asyncio.to_thread(sender.push_peft, peft_model)"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+class AsyncVllmLink(_VllmLinkBase):
+    """Link to a ``vllm.AsyncLLM`` through its async collective RPC.
+
+    Build it on the engine's event loop (``AsyncVllmEngine.create``), use it from a thread.
+    """
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
+        super().__init__(commit_mode)
+        self.engine = engine
+        self._bridge = _AsyncBridge(loop)
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._bridge.run(self.engine.collective_rpc(method, args=args))
+
+    def _pause(self) -> None:
+        self._bridge.run(self.engine.pause_generation(mode=self.commit_mode, clear_cache=False))
+
+    def _resume(self) -> None:
+        self._bridge.run(self.engine.resume_generation())
+
+    def _label(self, version: str) -> None:
+        self._bridge.run(self.engine.update_weight_version(version))
+
+    def _reset_prefix_cache(self) -> bool:
+        return bool(self._bridge.run(self.engine.reset_prefix_cache()))
+
+    _probe_ids = itertools.count()
+
+    def _generate_one(self, token_ids: list[int], params: Any, lora: Any) -> Any:
+        from vllm import TokensPrompt
+
+        async def final() -> Any:
+            out = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params,
+                                                  f"colosync-score-{next(self._probe_ids)}", lora_request=lora):
+                pass
+            return out
+
+        return self._bridge.run(final())

@@ -1,0 +1,70 @@
+"""kill -9 of a sender at points spread across a push: the engine keeps serving exactly one version.
+
+Each case starts a real trainer process (``tests/faults/killer.py``) that pushes a full update
+switching the engine to the other of two versions and SIGKILLs itself at one point. Before
+the Commit is on the wire the engine must still serve the previous version; once the Commit
+is sent either version may stand (the engine decides alone), once its reply was read the new
+one must. In every case the abandoned update is aborted within ``ABORT_WITHIN_S`` of the death
+(the connection's end tells the engine at once), nothing stays in flight, no segment is left
+in ``/dev/shm`` and the engine's memory stays within 10% of its baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+
+from colosync import transports
+from tests.faults.conftest import ROOT
+
+# (point, may the update have committed, must it have)
+POINTS = [
+    ("before:Begin:0", False, False),  # attached, nothing begun
+    ("after:Begin:0", False, False),  # begun, no byte staged
+    ("before:Stage:0", False, False),  # first bucket packed into the slot, not announced
+    ("after:Stage:0", False, False),
+    ("after:Stage:1", False, False),
+    ("after:Stage:mid", False, False),
+    ("before:Stage:last", False, False),
+    ("after:Stage:last", False, False),  # every byte staged, no Prepare
+    ("after:Prepare:0", False, False),  # between prepare and commit
+    ("after:Commit:0", True, False),  # the Commit is on the wire, its reply unread
+    ("replied:Commit:0", True, True),  # committed, killed before it could report
+]
+
+CPU_TRANSPORTS = [name for name in transports.names() if transports.sender_class(name).available(torch.device("cpu"))[0]]
+
+
+def kill_at(fault_engine, transport: str, device: str, point: str, may_commit: bool, must_commit: bool) -> None:  # noqa: ANN001
+    before = fault_engine.healthy({"base", "new"})
+    target = "new" if before == "base" else "base"
+    address = msgspec.msgpack.encode(fault_engine.engine.address).hex()
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.faults.killer", address, point, transport, fault_engine.model_dir,
+         str(fault_engine.scales[target]), device],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120,
+    )
+    died = time.monotonic()
+    assert child.returncode == -9, f"the child was not killed at {point} (exit {child.returncode}):\n{child.stderr[-2000:]}"
+    allowed = {before, target} if may_commit else {before}
+    if must_commit:
+        allowed = {target}
+    fault_engine.healthy(allowed, since=died)
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+@pytest.mark.parametrize("point, may_commit, must_commit", POINTS, ids=[p for p, _, _ in POINTS])
+def test_sender_killed_at(fault_engine, transport, point, may_commit, must_commit):
+    kill_at(fault_engine, transport, "cpu", point, may_commit, must_commit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("point, may_commit, must_commit", POINTS, ids=[p for p, _, _ in POINTS])
+def test_sender_killed_at_on_the_gpu_through_cuda_ipc(fault_engine_cuda, point, may_commit, must_commit):
+    kill_at(fault_engine_cuda, "cuda_ipc", "cuda", point, may_commit, must_commit)
