@@ -48,7 +48,7 @@ def kill_at(fault_engine, transport: str, device: str, point: str, may_commit: b
     child = subprocess.run(
         [sys.executable, "-m", "tests.faults.killer", address, point, transport, fault_engine.model_dir,
          str(fault_engine.scales[target]), device],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))), capture_output=True, text=True, timeout=120,
     )
     died = time.monotonic()
     assert child.returncode == -9, f"the child was not killed at {point} (exit {child.returncode}):\n{child.stderr[-2000:]}"
