@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.colosync-installed
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo lint test test-gpu venv clean
 
 venv: $(STAMP)
 
@@ -21,7 +21,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/colosync demo
 
-test: $(STAMP)
+# What `make lint` checks; .pre-commit-config.yaml runs the same three.
+LINT_PATHS := colosync tests stubs $(wildcard benchmarks/*.py)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 # On a CUDA host, with the machine's own CUDA torch (not .venv's CPU build): every gpu-marked test.
@@ -30,4 +38,4 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -25,16 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from colosync.errors import HandoffInvariantError  # noqa: E402
-from colosync.handoff import HandoffSizes, Region, build_plan, compare  # noqa: E402
-from colosync.handoff.backends.host_pool import HostPool  # noqa: E402
-from colosync.handoff.backends.torch_engine import TorchEngineMemory  # noqa: E402
-from colosync.handoff.backends.torch_trainer import TorchTrainerMemory  # noqa: E402
-from colosync.handoff.runtime.executor import HandoffExecutor  # noqa: E402
-from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator  # noqa: E402
-from colosync.tools.bench.machine import run_header  # noqa: E402
-from colosync.tools.bench.synthetic import engine_state, trainer_state  # noqa: E402
-from colosync.tools.handoff import parse_size  # noqa: E402
+from colosync.errors import HandoffInvariantError
+from colosync.handoff import HandoffSizes, Region, build_plan, compare
+from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.torch_engine import TorchEngineMemory
+from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
+from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.sampling import HostSampler, trim_host_allocator
+from colosync.tools.bench.machine import run_header
+from colosync.tools.bench.synthetic import engine_state, trainer_state
+from colosync.tools.handoff import parse_size
 
 
 def main() -> int:
@@ -42,13 +42,21 @@ def main() -> int:
     ap.add_argument("--mode", choices=["cpu", "gpu"], required=True)
     ap.add_argument("--engine-weights", type=parse_size, default=parse_size("16GB"))
     ap.add_argument("--kv", type=parse_size, default=parse_size("64GB"))
-    ap.add_argument("--trainer-params", type=parse_size, default=parse_size("10GB"),
-                    help="fp32 parameter bytes; resident state is 4x (params, grads, AdamW m and v)")
+    ap.add_argument(
+        "--trainer-params",
+        type=parse_size,
+        default=parse_size("10GB"),
+        help="fp32 parameter bytes; resident state is 4x (params, grads, AdamW m and v)",
+    )
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--chunk", type=parse_size, default=parse_size("1GiB"))
-    ap.add_argument("--no-reserve", dest="reserve", action="store_false",
-                    help="grow the host pool on demand instead of reserving it up front "
-                         "(gpu mode: the larger copy, cpu mode: both copies)")
+    ap.add_argument(
+        "--no-reserve",
+        dest="reserve",
+        action="store_false",
+        help="grow the host pool on demand instead of reserving it up front "
+        "(gpu mode: the larger copy, cpu mode: both copies)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -72,8 +80,9 @@ def main() -> int:
     t0 = time.perf_counter()
     model, kv = engine_state(args.engine_weights, args.kv, device=device)
     engine = TorchEngineMemory(model, kv, pool=pool, device=device)
-    trainer = TorchTrainerMemory(loader=lambda: trainer_state(args.trainer_params, device=device), pool=pool,
-                                 device=device)
+    trainer = TorchTrainerMemory(
+        loader=lambda: trainer_state(args.trainer_params, device=device), pool=pool, device=device
+    )
     build_s = time.perf_counter() - t0
     reserve_s = 0.0
     if args.reserve:
@@ -81,8 +90,9 @@ def main() -> int:
         want = max(mirror_est, backup_est) if args.mode == "gpu" else mirror_est + backup_est
         reserve_s = pool.reserve(want)
 
-    executor = HandoffExecutor(trainer, engine, baseline_host_bytes=baseline.value, watch_interval_s=0.002,
-                               fail_fast=False, pools=[pool])
+    executor = HandoffExecutor(
+        trainer, engine, baseline_host_bytes=baseline.value, watch_interval_s=0.002, fail_fast=False, pools=[pool]
+    )
     plan = build_plan(peak_device=args.mode)
     t0 = time.perf_counter()
     error = None
@@ -103,11 +113,20 @@ def main() -> int:
     abs_peak = baseline.value + result.host_peak
     sleeps = [r.report.gbps for r in result.records if r.step == "trainer.sleep"]
     wakes = [r.report.gbps for r in result.records if r.step == "trainer.wake_up"]
-    predicted = compare(HandoffSizes(
-        engine_weight_bytes=mirror, engine_kv_bytes=sizes[Region.ENGINE_KV],
-        trainer_resident_bytes=backup + sizes[Region.TRAINER_GRADS], trainer_backup_bytes=backup,
-        trainer_grad_buffer_bytes=sizes[Region.TRAINER_GRADS], trainer_load_host_bytes=0,
-        host_baseline_bytes=baseline.value, gpu_bytes=total_gpu, name="recorded run"), cycles=args.cycles)
+    predicted = compare(
+        HandoffSizes(
+            engine_weight_bytes=mirror,
+            engine_kv_bytes=sizes[Region.ENGINE_KV],
+            trainer_resident_bytes=backup + sizes[Region.TRAINER_GRADS],
+            trainer_backup_bytes=backup,
+            trainer_grad_buffer_bytes=sizes[Region.TRAINER_GRADS],
+            trainer_load_host_bytes=0,
+            host_baseline_bytes=baseline.value,
+            gpu_bytes=total_gpu,
+            name="recorded run",
+        ),
+        cycles=args.cycles,
+    )
     if args.mode == "gpu":
         criteria = {
             "host_peak_within_5pct_of_larger_copy_plus_baseline": abs_peak <= 1.05 * (larger + baseline.value),
@@ -120,8 +139,12 @@ def main() -> int:
         "mode": args.mode,
         "device": str(device),
         "sizes_bytes": {r.value: n for r, n in sizes.items()},
-        "host_pool": {"pin": pool.pin, "chunk_bytes": pool.chunk_bytes, "capacity_bytes": pool.capacity_bytes,
-                      "alloc_seconds": pool.alloc_seconds},
+        "host_pool": {
+            "pin": pool.pin,
+            "chunk_bytes": pool.chunk_bytes,
+            "capacity_bytes": pool.capacity_bytes,
+            "alloc_seconds": pool.alloc_seconds,
+        },
         "baseline_host": baseline.__dict__,
         "summary": {
             "host_copies_peak_bytes": result.host_peak,
@@ -149,11 +172,13 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
     s = out["summary"]
-    print(f"[{args.mode}] host copies peak {s['host_copies_peak_bytes'] / 1e9:.2f} GB at {s['host_copies_peak_step']} "
-          f"(larger copy {larger / 1e9:.2f} GB, both {(mirror + backup) / 1e9:.2f} GB, baseline "
-          f"{baseline.value / 1e9:.2f} GB); device peak {s['device_peak_bytes'] / 1e9:.2f} GB; trainer sleep "
-          f"{', '.join(f'{x:.1f}' for x in sleeps)} GB/s, wake {', '.join(f'{x:.1f}' for x in wakes)} GB/s; "
-          f"criteria {criteria}")
+    print(
+        f"[{args.mode}] host copies peak {s['host_copies_peak_bytes'] / 1e9:.2f} GB at {s['host_copies_peak_step']} "
+        f"(larger copy {larger / 1e9:.2f} GB, both {(mirror + backup) / 1e9:.2f} GB, baseline "
+        f"{baseline.value / 1e9:.2f} GB); device peak {s['device_peak_bytes'] / 1e9:.2f} GB; trainer sleep "
+        f"{', '.join(f'{x:.1f}' for x in sleeps)} GB/s, wake {', '.join(f'{x:.1f}' for x in wakes)} GB/s; "
+        f"criteria {criteria}"
+    )
     for v in result.violations[:5]:
         print("  violation:", v)
     return 0 if out["passed"] else 1

@@ -20,13 +20,14 @@ import pstats
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from colosync.errors import EngineError  # noqa: E402
+from colosync.errors import EngineError
 
 
-def _serve(conn, device: str, profile_path: str) -> None:  # noqa: ANN001
+def _serve(conn: Connection, device: str, profile_path: str) -> None:
     from colosync.engines.process import EngineConfig, EngineHost
 
     host = EngineHost(EngineConfig(engine="sink", device=device, timeout_s=600))
@@ -46,7 +47,7 @@ def _serve(conn, device: str, profile_path: str) -> None:  # noqa: ANN001
     conn.send_bytes(b"bye")
 
 
-def _expect(conn, want: bytes) -> None:  # noqa: ANN001 - a Connection
+def _expect(conn: Connection, want: bytes) -> None:
     got = conn.recv_bytes()
     if got != want:
         raise EngineError(f"the profiled sink engine answered {got[:60]!r}, expected {want!r}")
@@ -54,7 +55,11 @@ def _expect(conn, want: bytes) -> None:  # noqa: ANN001 - a Connection
 
 def _top(stats_source, n: int = 22, key: str = "tottime") -> str:
     out = io.StringIO()
-    stats = pstats.Stats(stats_source, stream=out) if isinstance(stats_source, str) else pstats.Stats(stats_source, stream=out)
+    stats = (
+        pstats.Stats(stats_source, stream=out)
+        if isinstance(stats_source, str)
+        else pstats.Stats(stats_source, stream=out)
+    )
     stats.strip_dirs().sort_stats(key).print_stats(n)
     lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
     start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
@@ -73,13 +78,13 @@ def main() -> None:
 
     import torch
 
-    from colosync.tools.bench.sync import load_sync_workload, make_tensors
     from colosync.engines.process import codecs
     from colosync.engines.sink import SinkEngine
     from colosync.sync.link import LocalLink, PipeLink
-    from colosync.wire.protocol import Status
     from colosync.sync.receiver import Receiver
     from colosync.sync.sender import Sender
+    from colosync.tools.bench.sync import load_sync_workload, make_tensors
+    from colosync.wire.protocol import Status
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -95,7 +100,7 @@ def main() -> None:
     proc = ctx.Process(target=_serve, args=(child, str(device), prof_path), daemon=True)
     proc.start()
     _expect(parent, b"ready")
-    link = PipeLink(parent, *codecs(SinkEngine))
+    link = PipeLink(parent, *codecs(SinkEngine.requests, SinkEngine.replies))
 
     rtt = []
     for _ in range(200):
@@ -127,7 +132,10 @@ def main() -> None:
     while parent.recv_bytes() != b"bye":
         pass
     proc.join(30)
-    print(f"two processes: median {statistics.median(times_plain) * 1e3:.3f} ms (profiled {statistics.median(times) * 1e3:.3f} ms)")
+    print(
+        f"two processes: median {statistics.median(times_plain) * 1e3:.3f} ms "
+        f"(profiled {statistics.median(times) * 1e3:.3f} ms)"
+    )
     phases = {k: statistics.median(r.seconds[k] for r in reports) * 1e3 for k in reports[0].seconds}
     print("sender phases (profiled), ms:", {k: round(v, 3) for k, v in phases.items()})
     print("\n-- sender, by tottime --\n" + _top(prof))

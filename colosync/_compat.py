@@ -67,8 +67,11 @@ class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         moved = MOVED[spec.name]
         targets = (moved,) if isinstance(moved, str) else moved
-        warnings.warn(f"{spec.name} moved to {' and '.join(targets)}; the old path works until colosync 0.3",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {' and '.join(targets)}; the old path works until colosync 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return _Forwarder(spec.name, targets)
 
     def exec_module(self, module: types.ModuleType) -> None:

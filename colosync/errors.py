@@ -151,7 +151,6 @@ class HandoffInvariantError(HandoffError):
         self.violation = violation
 
 
-
 def _all_error_types() -> dict[str, type[ColosyncError]]:
     found: dict[str, type[ColosyncError]] = {}
     stack: list[type[ColosyncError]] = [ColosyncError]

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colosync.wire.bucket import fingerprint, typed_views
 from colosync.wire.manifest import TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
+
+if TYPE_CHECKING:
+    from colosync.handoff.backends.host_pool import HostPool
+    from colosync.sync.link import Link
+    from colosync.wire.protocol import Ack, Probe
 
 
 def pack_into(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
@@ -26,8 +32,16 @@ def pack_bucket(manifest: UpdateManifest, bucket: int, tensors: Mapping[str, tor
     return buffer
 
 
-def stage_bytes(receiver, transport, update_id: int, bucket: int, data: torch.Tensor, chunk: int | None = None,
-                fingerprint_delta: int = 0, send_fingerprint: bool = True) -> None:
+def stage_bytes(
+    receiver,
+    transport,
+    update_id: int,
+    bucket: int,
+    data: torch.Tensor,
+    chunk: int | None = None,
+    fingerprint_delta: int = 0,
+    send_fingerprint: bool = True,
+) -> None:
     """Stage ``data`` as bucket ``bucket``, ``chunk`` bytes at a time through the transport's slots in turn.
 
     The last chunk carries the fingerprint of ``data`` (plus ``fingerprint_delta``, to fake
@@ -63,7 +77,9 @@ def make_trainer_state(layers: int = 4, width: int = 1024) -> tuple[torch.nn.Mod
     return model, opt
 
 
-def make_engine_state(layers: int = 3, width: int = 2048, kv_tensors: int = 2) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+def make_engine_state(
+    layers: int = 3, width: int = 2048, kv_tensors: int = 2
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """``layers`` x 16 MiB weights (48 MiB) and ``kv_tensors`` x 16 MiB KV cache."""
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     for p in model.parameters():
@@ -72,7 +88,7 @@ def make_engine_state(layers: int = 3, width: int = 2048, kv_tensors: int = 2) -
     return model, kv
 
 
-def cpu_host_pool(**kw):  # noqa: ANN003, ANN201 - a colosync.handoff.backends.host_pool.HostPool
+def cpu_host_pool(**kw: Any) -> HostPool:
     """An unpinned ``HostPool`` of ``CHUNK``-byte chunks (``chunk_bytes=`` overrides)."""
     from colosync.handoff.backends.host_pool import HostPool
 
@@ -86,7 +102,7 @@ class _Recorded:
     def __init__(self, pending, acks: list) -> None:
         self._pending, self._acks = pending, acks
 
-    def wait(self):  # noqa: ANN201 - an Ack
+    def wait(self) -> Ack:
         ack = self._pending.wait()
         self._acks.append(ack)
         return ack
@@ -98,11 +114,11 @@ class ProbingLink:
     A Sender sends ``Commit(update_id)``; this is how a test makes that a verified commit.
     """
 
-    def __init__(self, link, probe) -> None:  # noqa: ANN001 - a Link and a wire.protocol.Probe
+    def __init__(self, link: Link, probe: Probe) -> None:
         self.link, self.probe = link, probe
         self.acks: list = []
 
-    def submit(self, request):  # noqa: ANN001, ANN201
+    def submit(self, request):
         from colosync.wire.protocol import Commit
 
         if isinstance(request, Commit):
@@ -113,10 +129,10 @@ class ProbingLink:
         self.link.close()
 
 
-class probing:  # noqa: N801 - used as a context manager, like contextlib's
+class probing:  # lower case: used like contextlib's context managers
     """``with probing(sender, probe) as link:`` -- the sender's pushes commit with ``probe``; ``link.acks``."""
 
-    def __init__(self, sender, probe) -> None:  # noqa: ANN001
+    def __init__(self, sender, probe) -> None:
         self.sender, self.link = sender, ProbingLink(sender.link, probe)
 
     def __enter__(self) -> ProbingLink:

@@ -32,8 +32,20 @@ LAYERS: list[tuple[str, ...]] = [
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 CORE = {"errors", "wire", "transports", "sync"}
 CORE_THIRD_PARTY = {"torch", "msgspec", "numpy"}
-OPTIONAL = {"vllm", "ray", "megatron", "peft", "transformers", "trl", "triton", "torch_memory_saver",
-            "matplotlib", "accelerate", "cupy", "datasets"}
+OPTIONAL = {
+    "vllm",
+    "ray",
+    "megatron",
+    "peft",
+    "transformers",
+    "trl",
+    "triton",
+    "torch_memory_saver",
+    "matplotlib",
+    "accelerate",
+    "cupy",
+    "datasets",
+}
 
 
 def modules() -> list[Path]:
@@ -86,10 +98,17 @@ def violations() -> list[str]:
             root = name.split(".")[0]
             if root in OPTIONAL and top:
                 found.append(f"{where} at module scope: optional dependencies load inside the function using them")
-            if pkg in CORE and top and root not in CORE_THIRD_PARTY and root != "colosync" \
-                    and root not in sys.stdlib_module_names:
-                found.append(f"{where}: the core ({', '.join(sorted(CORE))}) imports only the standard library, "
-                             f"{', '.join(sorted(CORE_THIRD_PARTY))} and itself at module scope")
+            if (
+                pkg in CORE
+                and top
+                and root not in CORE_THIRD_PARTY
+                and root != "colosync"
+                and root not in sys.stdlib_module_names
+            ):
+                found.append(
+                    f"{where}: the core ({', '.join(sorted(CORE))}) imports only the standard library, "
+                    f"{', '.join(sorted(CORE_THIRD_PARTY))} and itself at module scope"
+                )
             if root != "colosync" or not pkg:
                 continue
             parts = name.split(".")
@@ -100,8 +119,9 @@ def violations() -> list[str]:
             if target == pkg or target not in RANK or pkg not in RANK:
                 continue
             if RANK[target] >= RANK[pkg]:
-                found.append(f"{where}: {pkg} (layer {RANK[pkg]}) may import only lower layers; "
-                             f"{target} is layer {RANK[target]}")
+                found.append(
+                    f"{where}: {pkg} (layer {RANK[pkg]}) may import only lower layers; {target} is layer {RANK[target]}"
+                )
     return found
 
 
@@ -115,12 +135,15 @@ def test_imports_only_point_down_the_layers():
     assert not found, "layer rule broken:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("source, message", [
-    ("from colosync.engines.hf import HFEngine\n", "may import only lower layers"),
-    ("import vllm\n", "optional dependencies"),
-    ("from . import manifest\n", "absolute imports"),
-    ("import rich\n", "the core"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("from colosync.engines.hf import HFEngine\n", "may import only lower layers"),
+        ("import vllm\n", "optional dependencies"),
+        ("from . import manifest\n", "absolute imports"),
+        ("import rich\n", "the core"),
+    ],
+)
 def test_the_rule_catches_a_violation(tmp_path, monkeypatch, source, message):
     bad = ROOT / "wire" / "_layer_probe.py"
     bad.write_text(source)

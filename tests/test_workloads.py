@@ -55,16 +55,22 @@ def test_missing_file_says_no_such_file(tmp_path):
 
 
 def test_unknown_preset_lists_the_presets():
-    with pytest.raises(ConfigError, match=r"no sync workload preset named 'seed-lor'; presets: "
-                                          r"\['llama8b-full', 'seed-lora'\] \(or give the path of a JSON file\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no sync workload preset named 'seed-lor'; presets: "
+        r"\['llama8b-full', 'seed-lora'\] \(or give the path of a JSON file\)",
+    ):
         workloads.load("seed-lor", kind="sync")
     with pytest.raises(ConfigError, match=r"no workload preset named 'x'; presets: \['k3-gb300', 'llama8b-full'"):
         workloads.load("x")
 
 
 def test_preset_of_the_other_kind_says_so():
-    with pytest.raises(ConfigError, match=r"'seed-lora' is a sync workload, not a handoff workload; "
-                                          r"handoff presets: \['k3-gb300'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'seed-lora' is a sync workload, not a handoff workload; "
+        r"handoff presets: \['k3-gb300'\]",
+    ):
         workloads.load("seed-lora", kind="handoff")
 
 

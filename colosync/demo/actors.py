@@ -18,8 +18,17 @@ class TrainerActor:
     """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step."""
 
     def __init__(
-        self, model_dir: str, engine: Any, engine_name: str, transport: str, rank: int, alpha: float,
-        lr: float, seed: int, device: str, threads: int = 0,
+        self,
+        model_dir: str,
+        engine: Any,
+        engine_name: str,
+        transport: str,
+        rank: int,
+        alpha: float,
+        lr: float,
+        seed: int,
+        device: str,
+        threads: int = 0,
     ) -> None:
         from peft import LoraConfig, get_peft_model
 
@@ -31,7 +40,12 @@ class TrainerActor:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         base = load_model(model_dir, self.device)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float alpha works (scale alpha/r)
+            target_modules=list(LORA_TARGETS),
+            lora_dropout=0.0,
+        )
         self.model = get_peft_model(base, config).eval()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(params, lr=lr)

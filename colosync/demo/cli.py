@@ -18,10 +18,10 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-
-from colosync.errors import ParityError
 from pathlib import Path
 from typing import Any
+
+from colosync.errors import ParityError
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,18 @@ class DemoReport:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run a colocated RL loop on Ray with a colosync sync every step",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
-                   help="rollout engine (auto: vLLM when installed, else the hf reference engine)")
+    p = sub.add_parser(
+        "demo",
+        help="run a colocated RL loop on Ray with a colosync sync every step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "hf"],
+        default="auto",
+        help="rollout engine (auto: vLLM when installed, else the hf reference engine)",
+    )
     p.add_argument("--transport", default="auto", help="colosync transport (auto picks the fastest that works)")
     p.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
     p.add_argument("--seed", type=int, default=0)
@@ -102,16 +110,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_address: str | None,
-             console: Any) -> DemoReport:
+def run_demo(
+    engine: str, transport: str, steps: int, seed: int, lr: float, ray_address: str | None, console: Any
+) -> DemoReport:
     import msgspec
     import ray
     import torch
     from rich.progress import Progress
 
     from colosync.demo.models import make_tiny_llama
-    from colosync.engines.config import Generate
     from colosync.demo.rl import Task
+    from colosync.engines.config import Generate
     from colosync.sync.sender import SyncReport
 
     engine = resolve_engine(engine)
@@ -121,8 +130,14 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
     # head size 32: the smallest vLLM's CPU attention runs
     model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed, hidden_size=128, intermediate_size=256))
     task = Task.make(seed=seed)
-    ray.init(address=ray_address, num_cpus=None if ray_address else 2, include_dashboard=False,
-             log_to_driver=False, configure_logging=False, ignore_reinit_error=True)
+    ray.init(
+        address=ray_address,
+        num_cpus=None if ray_address else 2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        ignore_reinit_error=True,
+    )
     gpu = 0.5 if device == "cuda" else 0
     threads = 1 if device == "cpu" else 0  # two actors share the cores: one thread each beats contention
     try:
@@ -130,8 +145,10 @@ def run_demo(engine: str, transport: str, steps: int, seed: int, lr: float, ray_
         from colosync.demo.actors import TrainerActor
         from colosync.engines.ray_actor import RayLink
 
-        trainer = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
-            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads)
+        # Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
+        trainer: Any = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
+            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads
+        )
         driver = RayLink(engine_actor, engine)
         first = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
         before = driver.call(Generate(task.prompts, task.max_new_tokens))
@@ -166,7 +183,8 @@ def _start_engine(
     from colosync.engines.ray_actor import EngineActor
 
     config = EngineConfig(engine=engine, model_dir=model_dir, device=device, max_lora_rank=16, threads=threads)
-    actor = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config))
+    # Any: Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
+    actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config))
     if engine == "vllm":
         console.print("starting vLLM inside a Ray actor (about 30 s on 2 CPU cores)...")
     ray.get(actor.pid.remote())
@@ -174,7 +192,13 @@ def _start_engine(
 
 
 def _step(
-    step: int, task: Any, driver: Any, trainer: Any, engine_actor: Any, seed: int, tolerance: float,
+    step: int,
+    task: Any,
+    driver: Any,
+    trainer: Any,
+    engine_actor: Any,
+    seed: int,
+    tolerance: float,
     probe_completions: list[list[int]],
 ) -> StepRow:
     """One RL step; the probe batch (prompts + fixed completions) is scored by both sides."""
@@ -195,29 +219,53 @@ def _step(
     if probe.update_id != sync.update_id:
         raise ParityError(f"step {step}: engine served update {probe.update_id}, expected {sync.update_id}")
     reference = ray.get(trainer.score.remote(task.prompts, probe_completions))
-    err = max(abs(a - b) for xs, ys in zip(probe.logprobs, reference) for a, b in zip(xs, ys))
+    err = max(
+        abs(a - b) for xs, ys in zip(probe.logprobs, reference, strict=False) for a, b in zip(xs, ys, strict=False)
+    )
     if not err <= tolerance:
-        raise ParityError(f"step {step}: engine and trainer logprobs differ by {err:.3g} > {tolerance:g} "
-                          f"on update {sync.update_id}")
+        raise ParityError(
+            f"step {step}: engine and trainer logprobs differ by {err:.3g} > {tolerance:g} on update {sync.update_id}"
+        )
     samples += [ray.get(engine_actor.memory.remote()), ray.get(trainer.memory.remote())]
     host_peak = max(samples[0]["host_rss"] + samples[1]["host_rss"], samples[2]["host_rss"] + samples[3]["host_rss"])
     gpu_peak = max(s["gpu_peak"] for s in samples)
-    return StepRow(step, statistics.mean(rewards), loss, sync.seconds["total"] * 1e3, sync.bytes, sync.transport,
-                   sync.update_id, err, host_peak / 2**20, gpu_peak / 2**20, time.perf_counter() - t0)
+    return StepRow(
+        step,
+        statistics.mean(rewards),
+        loss,
+        sync.seconds["total"] * 1e3,
+        sync.bytes,
+        sync.transport,
+        sync.update_id,
+        err,
+        host_peak / 2**20,
+        gpu_peak / 2**20,
+        time.perf_counter() - t0,
+    )
 
 
 def print_report(report: DemoReport, console: Any) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]engine[/] {report.engine}  [bold]transport[/] {report.transport}  "
-                  f"[bold]device[/] {report.device}")
+    console.print(
+        f"[bold]engine[/] {report.engine}  [bold]transport[/] {report.transport}  [bold]device[/] {report.device}"
+    )
     console.print(f"greedy before: {report.before[0]}")
     table = Table(title="colocated RL steps")
     for col in ("step", "reward", "sync ms", "bytes", "transport", "update", "parity err", "host MB", "GPU MB"):
         table.add_column(col, justify="right")
     for r in report.steps:
-        table.add_row(str(r.step), f"{r.reward:.3f}", f"{r.sync_ms:.1f}", f"{r.bytes:,}", r.transport,
-                      str(r.update_id), f"{r.parity_err:.0e}", f"{r.host_peak_mb:.0f}", f"{r.gpu_peak_mb:.0f}")
+        table.add_row(
+            str(r.step),
+            f"{r.reward:.3f}",
+            f"{r.sync_ms:.1f}",
+            f"{r.bytes:,}",
+            r.transport,
+            str(r.update_id),
+            f"{r.parity_err:.0e}",
+            f"{r.host_peak_mb:.0f}",
+            f"{r.gpu_peak_mb:.0f}",
+        )
     console.print(table)
     console.print(f"greedy after:  {report.after[0]}")
     gain = report.last3_reward - report.first3_reward

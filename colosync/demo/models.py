@@ -1,7 +1,8 @@
 """Small local models for tests, demos and parity checks; nothing is ever downloaded.
 
 ``make_tiny_llama`` writes a Llama-style model (GQA, 2 layers) with fixed-seed weights to a
-directory (``make_tiny_qwen2`` a Qwen2 one, embeddings tied), so a trainer and every engine process (hf, vLLM) load bit-identical weights.
+directory (``make_tiny_qwen2`` a Qwen2 one, embeddings tied), so a trainer and every engine process (hf, vLLM)
+load bit-identical weights.
 The reference decoder both sides use for parity (``greedy``, ``score``) is the hf engine's
 own, re-exported here for tests and the demo.
 """
@@ -10,16 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colosync.engines.decoding import completion_logprobs, generate, greedy, load_model, score
 
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedModel, Qwen2Config
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-_TINY = {"max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-         "torch_dtype": "float32"}
+_TINY: dict[str, Any] = {  # keyword arguments of any transformers config
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
 
 
 def tiny_llama_config(
@@ -29,12 +39,19 @@ def tiny_llama_config(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     intermediate_size: int = 128,
-):  # noqa: ANN201 - a transformers LlamaConfig
+) -> LlamaConfig:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                       intermediate_size=intermediate_size, tie_word_embeddings=False, **_TINY)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=False,
+        **_TINY,
+    )
 
 
 def tiny_qwen2_config(
@@ -45,18 +62,25 @@ def tiny_qwen2_config(
     num_key_value_heads: int = 2,
     intermediate_size: int = 256,
     tie_word_embeddings: bool = True,
-):  # noqa: ANN201 - a transformers Qwen2Config
+) -> Qwen2Config:
     """A Qwen2 config (q/k/v biases; embeddings tied by default). Head size hidden/heads = 32:
     vLLM's CPU attention has no kernel for smaller heads."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                       intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-                       use_sliding_window=False, **_TINY)
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        use_sliding_window=False,
+        **_TINY,
+    )
 
 
-def _save_tiny(path: str | Path, seed: int, build: Callable[[], torch.nn.Module], biases: bool = False) -> Path:
+def _save_tiny(path: str | Path, seed: int, build: Callable[[], PreTrainedModel], biases: bool = False) -> Path:
     """Create (or reuse) ``build()``'s model at ``path`` with weights drawn from ``seed``."""
     path = Path(path)
     if (path / "config.json").exists():
@@ -80,7 +104,7 @@ def make_tiny_llama(path: str | Path, seed: int = 0, **config_overrides: int) ->
     return _save_tiny(path, seed, lambda: LlamaForCausalLM(tiny_llama_config(**config_overrides)))
 
 
-def make_tiny_qwen2(path: str | Path, seed: int = 0, **config_overrides: int | bool) -> Path:
+def make_tiny_qwen2(path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
     """Create (or reuse) a tiny Qwen2 (tied embeddings unless ``tie_word_embeddings=False``) at ``path``."""
     from transformers import Qwen2ForCausalLM
 
@@ -99,7 +123,13 @@ def random_lora(
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
+        model,
+        LoraConfig(
+            r=rank,
+            lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float alpha works (scale alpha/r)
+            target_modules=list(targets),
+            lora_dropout=0.0,
+        ),
     )
     fill_lora(peft_model, seed, scale)
     return peft_model
@@ -115,6 +145,16 @@ def fill_lora(peft_model: torch.nn.Module, seed: int, scale: float = 0.05) -> No
 
 
 __all__ = [
-    "LORA_TARGETS", "completion_logprobs", "fill_lora", "generate", "greedy", "load_model", "make_tiny_llama",
-    "make_tiny_qwen2", "random_lora", "score", "tiny_llama_config", "tiny_qwen2_config",
+    "LORA_TARGETS",
+    "completion_logprobs",
+    "fill_lora",
+    "generate",
+    "greedy",
+    "load_model",
+    "make_tiny_llama",
+    "make_tiny_qwen2",
+    "random_lora",
+    "score",
+    "tiny_llama_config",
+    "tiny_qwen2_config",
 ]

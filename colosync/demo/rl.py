@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from colosync.demo.models import completion_logprobs
+from colosync.errors import ConfigError
 
 TARGET_VOCAB = 64
 
@@ -27,8 +28,9 @@ class Task:
     target_vocab: int = TARGET_VOCAB
 
     @classmethod
-    def make(cls, num_prompts: int = 4, group_size: int = 8, max_new_tokens: int = 12, seed: int = 0,
-             vocab_size: int = 512) -> "Task":
+    def make(
+        cls, num_prompts: int = 4, group_size: int = 8, max_new_tokens: int = 12, seed: int = 0, vocab_size: int = 512
+    ) -> Task:
         g = torch.Generator().manual_seed(seed)
         prompts = [[1, *torch.randint(3, vocab_size, (4,), generator=g).tolist()] for _ in range(num_prompts)]
         return cls(prompts, group_size, max_new_tokens)
@@ -58,7 +60,9 @@ def policy_gradient_step(
     optimizer.zero_grad(set_to_none=True)
     logps = completion_logprobs(model, prompts, completions)
     tokens = sum(len(c) for c in completions)
-    loss = -sum(a * lp.sum() for a, lp in zip(advantages, logps)) / max(tokens, 1)
+    loss = -sum(a * lp.sum() for a, lp in zip(advantages, logps, strict=False)) / max(tokens, 1)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError("a GRPO step needs at least one completion")
     loss.backward()
     optimizer.step()
     model.eval()

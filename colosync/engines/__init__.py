@@ -7,8 +7,12 @@ one file plus one line here.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from colosync.errors import EngineError
+
+if TYPE_CHECKING:
+    from colosync.engines.host import ServedEngine
 
 _REGISTRY: dict[str, str] = {
     "hf": "colosync.engines.hf:HFEngine",
@@ -22,9 +26,10 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def engine_class(name: str) -> type:
+def engine_class(name: str) -> type[ServedEngine]:
     try:
         module, cls = _REGISTRY[name].split(":")
     except KeyError:
         raise EngineError(f"unknown engine {name!r}; choose one of {names()}") from None
-    return getattr(importlib.import_module(module), cls)
+    engine: type[ServedEngine] = getattr(importlib.import_module(module), cls)  # a class named in _REGISTRY
+    return engine

@@ -112,10 +112,11 @@ class ChannelServer:
     async def _serve(self, ready: Callable[[], None] | None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        server = await asyncio.start_unix_server(self._connection, path=self.address.path,
-                                                 limit=MAX_MESSAGE_BYTES + _HEADER.size)
+        server = await asyncio.start_unix_server(
+            self._connection, path=self.address.path, limit=MAX_MESSAGE_BYTES + _HEADER.size
+        )
         os.chmod(self.address.path, 0o600)
-        ticker = asyncio.create_task(self._ticks()) if self._tick is not None else None
+        ticker = asyncio.create_task(self._ticks(self._tick)) if self._tick is not None else None
         if ready is not None:
             ready()
         async with server:
@@ -123,11 +124,11 @@ class ChannelServer:
         if ticker is not None:
             ticker.cancel()
 
-    async def _ticks(self) -> None:
+    async def _ticks(self, tick: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._tick_s)
-            await loop.run_in_executor(self._engine, self._safe, self._tick)
+            await loop.run_in_executor(self._engine, self._safe, tick)
 
     @staticmethod
     def _safe(fn: Callable[..., Any], *args: Any) -> Any:
@@ -219,8 +220,9 @@ class SocketLink:
     engine uses to tell when the client has died.
     """
 
-    def __init__(self, address: EngineAddress, codec: Codec, reply_codec: Codec, name: str = "",
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self, address: EngineAddress, codec: Codec, reply_codec: Codec, name: str = "", timeout_s: float | None = None
+    ) -> None:
         self._codec, self._reply_codec = codec, reply_codec
         self._waiting: deque[_Pending] = deque()
         self._lock = threading.Lock()
@@ -253,10 +255,8 @@ class SocketLink:
         return self.submit(request).wait()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
     def _read_exactly(self, n: int) -> bytes:
         chunks, left = [], n

@@ -16,7 +16,7 @@ import torch
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device).eval()
 
 
@@ -58,7 +58,7 @@ def generate(
             else:
                 picked = logp.argmax(dim=-1, keepdim=True)
             chosen = logp.gather(1, picked).flatten().tolist()
-            for row, token, lp in zip(rows, picked.flatten().tolist(), chosen):
+            for row, token, lp in zip(rows, picked.flatten().tolist(), chosen, strict=True):
                 tokens[row].append(token)
                 logprobs[row].append(lp)
             out = model(input_ids=picked, past_key_values=out.past_key_values, use_cache=True)
@@ -72,7 +72,7 @@ def completion_logprobs(
     (differentiable: the policy-gradient loss uses it, ``score`` wraps it without grad)."""
     device = next(model.parameters()).device
     out = []
-    for prompt, completion in zip(prompts, completions):
+    for prompt, completion in zip(prompts, completions, strict=False):
         ids = torch.tensor([list(prompt) + list(completion)], device=device)
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
         start = len(prompt) - 1

@@ -72,8 +72,9 @@ class HFEngine(HostedTarget):
             for name, m in self.model.named_modules()
             if isinstance(m, torch.nn.Linear)
         }
-        return ModelSpec(params, linears, self.max_lora_rank, next(self.model.parameters()).dtype,
-                         tied=tied_parameters(self.model))
+        return ModelSpec(
+            params, linears, self.max_lora_rank, next(self.model.parameters()).dtype, tied=tied_parameters(self.model)
+        )
 
     def model_spec(self) -> ModelSpec:
         return self._spec
@@ -81,7 +82,9 @@ class HFEngine(HostedTarget):
     def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
         if manifest.kind == "full":
             params = [self._base[name] for name in tensors]
-            values = [t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(params, tensors.values())]
+            values = [
+                t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(params, tensors.values(), strict=True)
+            ]
             return _PreparedFull(params, values)
         if manifest.lora is None:  # UpdateManifest guarantees it; keeps the type checker honest
             raise UnknownTensorError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
@@ -127,8 +130,11 @@ class HFEngine(HostedTarget):
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         config = LoraConfig(
-            r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
-            use_rslora=spec.use_rslora, lora_dropout=0.0,
+            r=spec.rank,
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float alpha works (scale alpha/r)
+            target_modules=list(spec.target_modules),
+            use_rslora=spec.use_rslora,
+            lora_dropout=0.0,
         )
         if self._peft is None:
             self._peft = get_peft_model(self.model, config, adapter_name=adapter)
@@ -139,7 +145,8 @@ class HFEngine(HostedTarget):
             module, part = parse_lora_name(name)
             state[f"base_model.model.{module}.lora_{part}.weight"] = t
         try:
-            result = set_peft_model_state_dict(self._peft, state, adapter_name=adapter)
+            # torch's (missing_keys, unexpected_keys); PEFT annotates the return as the `namedtuple` factory
+            result: Any = set_peft_model_state_dict(self._peft, state, adapter_name=adapter)
         except BaseException:
             self._drop_adapter(adapter)
             raise

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol, Union
 import msgspec
 import torch
 
-from colosync.engines.config import Score, Scores
+from colosync.engines.config import EngineConfig, Score, Scores
 from colosync.errors import ColosyncError, DeliveryError, EngineBusyError, FailedClosedError, ManifestError
 from colosync.sync.delivery import Deviation, delivery_error
 from colosync.sync.link import Link
@@ -109,6 +109,9 @@ class ServedEngine(Protocol):
     requests: ClassVar[tuple[type, ...]]
     replies: ClassVar[tuple[type, ...]]
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ServedEngine: ...
+
     def transactions(self, policy: Any) -> Transactions: ...
 
     def handle(self, request: Any) -> msgspec.Struct: ...
@@ -161,8 +164,8 @@ class LinkTransactions:
 
 def codecs(requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()) -> tuple[Codec, Codec]:
     """Request and reply codecs for the transaction messages plus an engine's own."""
-    return (Codec(Union[(*TRANSACTION_TYPES, *requests)]),  # noqa: UP007 - a union built at run time
-            Codec(Union[(Ack, Failed, *replies)]))  # noqa: UP007
+    # Unions built at run time from the engine's own message types.
+    return (Codec(Union[(*TRANSACTION_TYPES, *requests)]), Codec(Union[(Ack, Failed, *replies)]))
 
 
 class EngineHost:
@@ -177,8 +180,12 @@ class EngineHost:
     come from several threads (a Ray actor's tick); one lock orders them.
     """
 
-    def __init__(self, transactions: Transactions, engine: ServedEngine | None = None,
-                 handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None) -> None:
+    def __init__(
+        self,
+        transactions: Transactions,
+        engine: ServedEngine | None = None,
+        handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None,
+    ) -> None:
         self.transactions = transactions
         self.engine = engine
         self.handlers = dict(handlers or {})
@@ -251,7 +258,7 @@ class EngineHost:
         handler = self.handlers.get(type(request))
         if handler is not None:
             return handler(request, session)
-        if isinstance(request, TRANSACTION_TYPES):
+        if isinstance(request, TransactionRequest):  # the union of TRANSACTION_TYPES
             if isinstance(request, _OWNER_ONLY):
                 self._check_owner(request, session)
             if isinstance(request, Detach):
@@ -304,6 +311,7 @@ class EngineHost:
         if probe is None:
             return ack
         started = time.perf_counter()
+        why: str | None
         try:
             if self.engine is None or Score not in self.engine.requests:
                 raise DeliveryError("this engine cannot score a probe; push without verify=")
@@ -321,8 +329,12 @@ class EngineHost:
             self.serving = after.serving
             raise delivery_error(request.update_id, why, after)
         checked = ack.delivery or Delivery(changed=0, expected=0)
-        return msgspec.structs.replace(ack, delivery=msgspec.structs.replace(
-            checked, max_deviation=deviation.value if deviation else None, seconds=time.perf_counter() - started))
+        return msgspec.structs.replace(
+            ack,
+            delivery=msgspec.structs.replace(
+                checked, max_deviation=deviation.value if deviation else None, seconds=time.perf_counter() - started
+            ),
+        )
 
     def _status_after(self, exc: ColosyncError) -> Ack | None:
         try:
@@ -348,5 +360,13 @@ def build_host(config: Any, handlers: dict[type, Callable[[Any, Session], msgspe
     return EngineHost(engine.transactions(config.policy()), engine, handlers)
 
 
-__all__ = ["EngineHost", "HostedTarget", "LinkTransactions", "ServedEngine", "Session", "Transactions", "build_host",
-           "codecs"]
+__all__ = [
+    "EngineHost",
+    "HostedTarget",
+    "LinkTransactions",
+    "ServedEngine",
+    "Session",
+    "Transactions",
+    "build_host",
+    "codecs",
+]

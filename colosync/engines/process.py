@@ -11,6 +11,7 @@ sender after a crash); one of them owns the update channel at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -55,8 +56,12 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
     os.chmod(folder, 0o700)
     address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
     server = ChannelServer(
-        address, host.open_session, lambda session, data: host.handle_bytes(data, session), host.close_session,
-        Deadlines(config.auth_timeout_s, config.message_timeout_s), tick=host.tick,
+        address,
+        host.open_session,
+        lambda session, data: host.handle_bytes(data, session),
+        host.close_session,
+        Deadlines(config.auth_timeout_s, config.message_timeout_s),
+        tick=host.tick,
     )
 
     def announce() -> None:
@@ -122,10 +127,8 @@ class EngineProcess:
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(ColosyncError, OSError):
                 self.link.call(Shutdown())
-            except (ColosyncError, OSError):
-                pass
             self._process.join(timeout_s)
             if self._process.is_alive():
                 self._process.terminate()

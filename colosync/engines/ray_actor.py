@@ -9,6 +9,7 @@ The same actor serves every registered engine (hf, vLLM, ...) through the common
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -60,10 +61,8 @@ def memory_sample(device: torch.device) -> dict[str, int]:
     me = psutil.Process(os.getpid())
     rss = me.memory_info().rss
     for child in me.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):
             rss += child.memory_info().rss
-        except psutil.Error:
-            pass
     out = {"host_rss": rss, "gpu_peak": 0}
     if device.type == "cuda":
         out["gpu_peak"] = torch.cuda.max_memory_allocated(device)

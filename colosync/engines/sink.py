@@ -55,7 +55,7 @@ def _allocate(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...], de
         bases.append(total)
         total += size
     flat = torch.zeros(total, dtype=torch.uint8, device=device)
-    buckets = [flat[base : base + size] for base, size in zip(bases, bucket_sizes)]
+    buckets = [flat[base : base + size] for base, size in zip(bases, bucket_sizes, strict=True)]
     return Staging([typed_views(buckets[m.bucket], [m])[0] for m in tensors], buckets)
 
 
@@ -99,8 +99,17 @@ class SinkEngine(HostedTarget):
             self._spare = (prepared[0], prepared[1])
 
     def handle(self, request: Digest) -> Digested:
-        held = {id(t.untyped_storage()): t.untyped_storage().nbytes() for pair in (self._served, self._spare)
-                if pair is not None and pair[1] is not None for t in pair[1].tensors[:1]}
+        held = {
+            id(t.untyped_storage()): t.untyped_storage().nbytes()
+            for pair in (self._served, self._spare)
+            if pair is not None and pair[1] is not None
+            for t in pair[1].tensors[:1]
+        }
         names = list(self.tensors)
-        return Digested(self.committed_update_id, names, tensor_digests([self.tensors[n] for n in names]),
-                        sum(held.values()), self.receiver.buffer_bytes)
+        return Digested(
+            self.committed_update_id,
+            names,
+            tensor_digests([self.tensors[n] for n in names]),
+            sum(held.values()),
+            self.receiver.buffer_bytes,
+        )

@@ -76,7 +76,7 @@ class ParallelGroups:
     mp: dist.ProcessGroup | None = None  # tp x pp: the ranks that hold one model replica
 
     @classmethod
-    def from_megatron(cls) -> "ParallelGroups":
+    def from_megatron(cls) -> ParallelGroups:
         """The groups ``megatron.core.parallel_state.initialize_model_parallel`` created."""
         from megatron.core import parallel_state
 
@@ -175,8 +175,13 @@ class MegatronSource:
         self._ranks = self._rank_table() if self._collective else {}
         self.sender_rank = self._ranks.get((sender_stage, 0), 0)
         self.is_sender = (self.stage, self.tp_rank) == (sender_stage, 0)
-        log.debug("megatron source: stage %d tp %d, sender is global rank %d, %d items",
-                  self.stage, self.tp_rank, self.sender_rank, len(self._plan))
+        log.debug(
+            "megatron source: stage %d tp %d, sender is global rank %d, %d items",
+            self.stage,
+            self.tp_rank,
+            self.sender_rank,
+            len(self._plan),
+        )
 
     # -- public -----------------------------------------------------------------------------
     def specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -202,7 +207,7 @@ class MegatronSource:
                 yield name, tensor
         self.stats.seconds = time.perf_counter() - start
 
-    def push(self, sender: "Sender | None", update_id: int | None = None) -> "SyncReport | None":
+    def push(self, sender: Sender | None, update_id: int | None = None) -> SyncReport | None:
         """Collective: send one update through ``sender`` on the sender rank.
 
         The sender rank must pass its ``Sender``; other ranks pass ``None`` (a ``Sender``
@@ -226,8 +231,13 @@ class MegatronSource:
             except BaseException as exc:  # re-raised below, after the other ranks are released
                 error = exc
         elif sender is not None:
-            log.warning("megatron source: ignoring the Sender passed on non-sending rank (stage %d, tp %d); "
-                        "only rank %d talks to the engine", self.stage, self.tp_rank, self.sender_rank)
+            log.warning(
+                "megatron source: ignoring the Sender passed on non-sending rank (stage %d, tp %d); "
+                "only rank %d talks to the engine",
+                self.stage,
+                self.tp_rank,
+                self.sender_rank,
+            )
         for _ in stream:  # non-senders: contribute shards; sender after a failure: keep collectives balanced
             pass
         ok = self._outcome(error is None)
@@ -239,10 +249,17 @@ class MegatronSource:
                 "kept its last committed version"
             )
         if report is not None:
-            log.info("megatron source: pushed %s update %d from stage %d (%d Megatron tensors -> %d HF tensors, "
-                     "%d bytes from other ranks) in %.1f ms", self.ctx.kind, report.update_id, self.stage,
-                     self.stats.items, self.stats.tensors_yielded, self.stats.bytes_received,
-                     self.stats.seconds * 1e3)
+            log.info(
+                "megatron source: pushed %s update %d from stage %d (%d Megatron tensors -> %d HF tensors, "
+                "%d bytes from other ranks) in %.1f ms",
+                self.ctx.kind,
+                report.update_id,
+                self.stage,
+                self.stats.items,
+                self.stats.tensors_yielded,
+                self.stats.bytes_received,
+                self.stats.seconds * 1e3,
+            )
         return report
 
     # -- moving tensors ---------------------------------------------------------------------
@@ -272,6 +289,11 @@ class MegatronSource:
             if item.stage == self.sender_stage:
                 if not split:
                     return mine if self.is_sender else None
+                if mine is None:  # split: every rank of the stage holds a shard
+                    raise ConversionError(
+                        f"a TP rank of the sending stage holds no shard of {item}; "
+                        "every rank of that stage must hold one"
+                    )
                 if not self.is_sender:
                     dist.gather(mine, None, dst=self.sender_rank, group=self.groups.tp)
                     self.stats.bytes_contributed += mine.numel() * mine.element_size()
@@ -295,6 +317,8 @@ class MegatronSource:
         chunks = self._chunks(full, item)
         works = [dist.irecv(chunk, src=self._ranks[(item.stage, r)]) for r, chunk in enumerate(chunks)]
         for work in works:
+            if work is None:  # irecv returns None only to ranks outside the group
+                raise ConversionError("the sending rank is outside the pipeline group; check ParallelGroups")
             work.wait()
         self.stats.bytes_received += item.nbytes
         return self._join(full, chunks, item)
@@ -328,8 +352,9 @@ class MegatronSource:
         else:
             anyone = bad
         if bad:
-            raise ConversionError(f"Megatron source {what} failed on stage {self.stage}, TP rank {self.tp_rank}: "
-                                  + "; ".join(problems))
+            raise ConversionError(
+                f"Megatron source {what} failed on stage {self.stage}, TP rank {self.tp_rank}: " + "; ".join(problems)
+            )
         if anyone:
             raise ConversionError(
                 f"Megatron source {what} failed on another rank of this model-parallel group (this rank, stage "
@@ -398,15 +423,19 @@ class MegatronSource:
                 hint = (
                     "; the adapter is missing on this module: attach it, or drop "
                     f"{[o.name.split('.')[-3] for o in item.outputs]} from LoraSpec.target_modules"
-                    if item.role is not Role.WEIGHT else ""
+                    if item.role is not Role.WEIGHT
+                    else ""
                 )
                 problems.append(f"no local parameter for {item.describe()}{hint}")
                 continue
             name, param = found
             want = item.local_shape(tp)
             if tuple(param.shape) != want:
-                why = (f" (lora rank {ctx.lora.rank} from the LoraSpec)" if item.role is not Role.WEIGHT and ctx.lora
-                       else "")
+                why = (
+                    f" (lora rank {ctx.lora.rank} from the LoraSpec)"
+                    if item.role is not Role.WEIGHT and ctx.lora
+                    else ""
+                )
                 problems.append(
                     f"{name} has shape {list(param.shape)}, expected {list(want)}{why} for TP rank "
                     f"{self.tp_rank} of {tp}; check the context against the model's config"
@@ -434,4 +463,11 @@ def megatron_tensor_bytes(ctx: ConversionContext) -> int:
     return max((math.prod(i.shape) * i.dtype.itemsize for i in plan(ctx)), default=0)
 
 
-__all__ = ["ConversionContext", "ConversionError", "MegatronSource", "ParallelGroups", "SourceStats", "megatron_tensor_bytes"]
+__all__ = [
+    "ConversionContext",
+    "ConversionError",
+    "MegatronSource",
+    "ParallelGroups",
+    "SourceStats",
+    "megatron_tensor_bytes",
+]

@@ -50,12 +50,15 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from colosync.errors import ConversionError
 from colosync.wire.manifest import LoraSpec
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 Kind = Literal["lora", "full"]
 
@@ -197,7 +200,9 @@ def _default_naming() -> tuple[NamingRule, ...]:
         NamingRule(_LAYER + r"input_layernorm\.weight", Slot.INPUT_NORM, Role.WEIGHT),
         NamingRule(_LAYER + r"pre_mlp_layernorm\.weight", Slot.POST_NORM, Role.WEIGHT),
         # Transformer-Engine spec: the norms are fused into the following linear
-        NamingRule(_LAYER + r"self_attention\.linear_qkv\." + _WRAP + r"layer_norm_weight", Slot.INPUT_NORM, Role.WEIGHT),
+        NamingRule(
+            _LAYER + r"self_attention\.linear_qkv\." + _WRAP + r"layer_norm_weight", Slot.INPUT_NORM, Role.WEIGHT
+        ),
         NamingRule(_LAYER + r"mlp\.linear_fc1\." + _WRAP + r"layer_norm_weight", Slot.POST_NORM, Role.WEIGHT),
     ]
     for slot in LORA_SLOTS:
@@ -233,7 +238,9 @@ def classify(name: str, naming: tuple[NamingRule, ...]) -> ParamKey:
     return keys.pop()
 
 
-def index_params(named: Iterable[tuple[str, torch.Tensor]], naming: tuple[NamingRule, ...]) -> dict[ParamKey, tuple[str, torch.Tensor]]:
+def index_params(
+    named: Iterable[tuple[str, torch.Tensor]], naming: tuple[NamingRule, ...]
+) -> dict[ParamKey, tuple[str, torch.Tensor]]:
     """Classify every local parameter; two names for one key is an error."""
     found: dict[ParamKey, tuple[str, torch.Tensor]] = {}
     for name, tensor in named:
@@ -290,8 +297,17 @@ class ConversionContext:
     naming: tuple[NamingRule, ...] = DEFAULT_NAMING
 
     def __post_init__(self) -> None:
-        for attr in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-                     "ffn_hidden_size", "vocab_size", "tp_size", "pp_size"):
+        for attr in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+            "tp_size",
+            "pp_size",
+        ):
             if getattr(self, attr) <= 0:
                 raise ConversionError(f"ConversionContext.{attr} must be > 0, got {getattr(self, attr)}")
         if not self.stage_layers:
@@ -301,7 +317,11 @@ class ConversionContext:
                     "stage_layers (layers per pipeline stage) explicitly"
                 )
             object.__setattr__(self, "stage_layers", (self.num_layers // self.pp_size,) * self.pp_size)
-        if len(self.stage_layers) != self.pp_size or sum(self.stage_layers) != self.num_layers or min(self.stage_layers) < 0:
+        if (
+            len(self.stage_layers) != self.pp_size
+            or sum(self.stage_layers) != self.num_layers
+            or min(self.stage_layers) < 0
+        ):
             raise ConversionError(
                 f"stage_layers={list(self.stage_layers)} must list {self.pp_size} non-negative layer counts "
                 f"summing to num_layers={self.num_layers}"
@@ -366,7 +386,7 @@ class ConversionContext:
         return tuple(offsets)
 
     def stage_of_layer(self, layer: int) -> int:
-        for stage, (offset, n) in enumerate(zip(self.stage_offsets, self.stage_layers)):
+        for stage, (offset, n) in enumerate(zip(self.stage_offsets, self.stage_layers, strict=True)):
             if offset <= layer < offset + n:
                 return stage
         raise ConversionError(f"layer {layer} is outside the model's {self.num_layers} layers")
@@ -381,7 +401,7 @@ class ConversionContext:
     @classmethod
     def from_megatron(
         cls,
-        config: object,
+        config: TransformerConfig,
         vocab_size: int,
         padded_vocab_size: int,
         kind: Kind,
@@ -390,16 +410,22 @@ class ConversionContext:
         dtypes: DtypePolicy | None = None,
         stage_layers: tuple[int, ...] = (),
         naming: tuple[NamingRule, ...] = DEFAULT_NAMING,
-    ) -> "ConversionContext":
+    ) -> ConversionContext:
         """Read geometry and parallel sizes from a Megatron-core ``TransformerConfig``.
 
         Rejects architecture flags the converter does not handle (biases, MoE, qk-norm, ...)
         by name, instead of producing a model that silently computes something else.
         """
         unsupported = {
-            "add_bias_linear": False, "add_qkv_bias": False, "qk_layernorm": False, "num_moe_experts": None,
-            "multi_latent_attention": False, "rotary_interleaved": False, "gated_linear_unit": True,
-            "normalization": "RMSNorm", "virtual_pipeline_model_parallel_size": None,
+            "add_bias_linear": False,
+            "add_qkv_bias": False,
+            "qk_layernorm": False,
+            "num_moe_experts": None,
+            "multi_latent_attention": False,
+            "rotary_interleaved": False,
+            "gated_linear_unit": True,
+            "normalization": "RMSNorm",
+            "virtual_pipeline_model_parallel_size": None,
         }
         for attr, want in unsupported.items():
             have = getattr(config, attr, want)
@@ -512,11 +538,16 @@ def _hf_outputs(slot: Slot, role: Role, layer: int | None, ctx: ConversionContex
     if slot in _HF_SINGLE:
         shape = (ctx.vocab_size, h) if slot in (Slot.EMBEDDING, Slot.OUTPUT) else (h,)
         return (HFTensor(_HF_SINGLE[slot].format(layer=layer), shape),)
-    assert layer is not None
+    if layer is None:
+        raise ConversionError(f"{slot} is a per-layer slot but no layer index was given")
     out_dims = {
-        "q_proj": ctx.num_attention_heads * hd, "k_proj": ctx.num_query_groups * hd,
-        "v_proj": ctx.num_query_groups * hd, "o_proj": h, "gate_proj": ctx.ffn_hidden_size,
-        "up_proj": ctx.ffn_hidden_size, "down_proj": h,
+        "q_proj": ctx.num_attention_heads * hd,
+        "k_proj": ctx.num_query_groups * hd,
+        "v_proj": ctx.num_query_groups * hd,
+        "o_proj": h,
+        "gate_proj": ctx.ffn_hidden_size,
+        "up_proj": ctx.ffn_hidden_size,
+        "down_proj": h,
     }
     in_dims = {"o_proj": ctx.num_attention_heads * hd, "down_proj": ctx.ffn_hidden_size}
     outputs = []
@@ -538,16 +569,16 @@ def plan(ctx: ConversionContext) -> tuple[ConversionItem, ...]:
     entries: list[tuple[Slot, Role, int | None]] = []
     if ctx.kind == "full":
         entries.append((Slot.EMBEDDING, Role.WEIGHT, None))
-        for layer in range(ctx.num_layers):
+        for n in range(ctx.num_layers):
             for slot in (Slot.INPUT_NORM, Slot.QKV, Slot.PROJ, Slot.POST_NORM, Slot.FC1, Slot.FC2):
-                entries.append((slot, Role.WEIGHT, layer))
+                entries.append((slot, Role.WEIGHT, n))
         entries.append((Slot.FINAL_NORM, Role.WEIGHT, None))
         if not ctx.tie_word_embeddings:
             entries.append((Slot.OUTPUT, Role.WEIGHT, None))
     else:
-        for layer in range(ctx.num_layers):
+        for n in range(ctx.num_layers):
             for slot in ctx.lora_slots:
-                entries += [(slot, Role.LORA_A, layer), (slot, Role.LORA_B, layer)]
+                entries += [(slot, Role.LORA_A, n), (slot, Role.LORA_B, n)]
     last = ctx.pp_size - 1
     items = []
     for slot, role, layer in entries:
@@ -558,8 +589,14 @@ def plan(ctx: ConversionContext) -> tuple[ConversionItem, ...]:
             stage, local = (0 if slot is Slot.EMBEDDING else last), None
         items.append(
             ConversionItem(
-                slot=slot, role=role, layer=layer, stage=stage, local_layer=local, split=SPLITS[(slot, role)],
-                shape=_megatron_shape(slot, role, ctx), dtype=ctx.dtypes.for_role(role),
+                slot=slot,
+                role=role,
+                layer=layer,
+                stage=stage,
+                local_layer=local,
+                split=SPLITS[(slot, role)],
+                shape=_megatron_shape(slot, role, ctx),
+                dtype=ctx.dtypes.for_role(role),
                 outputs=_hf_outputs(slot, role, layer, ctx),
             )
         )
@@ -633,7 +670,7 @@ def convert(item: ConversionItem, full: torch.Tensor, ctx: ConversionContext) ->
         parts = split_fc1(full, ctx)
     else:
         parts = (full,)
-    return list(zip(names, parts))
+    return list(zip(names, parts, strict=False))
 
 
 def to_megatron(
@@ -657,9 +694,11 @@ def to_megatron(
             )
         return parts[0]
     if item.slot is Slot.QKV:
-        return merge_qkv(*parts, ctx)
+        q, k, v = parts
+        return merge_qkv(q, k, v, ctx)
     if item.slot is Slot.FC1:
-        return merge_fc1(*parts, ctx)
+        gate, up = parts
+        return merge_fc1(gate, up, ctx)
     return parts[0]
 
 
@@ -671,8 +710,34 @@ def shard(full: torch.Tensor, split: Split, tp_size: int, tp_rank: int) -> torch
 
 
 __all__ = [
-    "ADAPTER_SUFFIXES", "BASE_SUFFIXES", "DEFAULT_NAMING", "HF_PARTS", "LORA_SLOTS", "PEFT_PREFIX", "SPLITS",
-    "ConversionContext", "ConversionError", "ConversionItem", "DtypePolicy", "HFTensor", "Kind", "NamingRule",
-    "ParamKey", "Role", "Slot", "Split", "classify", "convert", "hf_module", "hf_specs", "index_params",
-    "merge_fc1", "merge_qkv", "plan", "shard", "split_fc1", "split_qkv", "to_megatron",
+    "ADAPTER_SUFFIXES",
+    "BASE_SUFFIXES",
+    "DEFAULT_NAMING",
+    "HF_PARTS",
+    "LORA_SLOTS",
+    "PEFT_PREFIX",
+    "SPLITS",
+    "ConversionContext",
+    "ConversionError",
+    "ConversionItem",
+    "DtypePolicy",
+    "HFTensor",
+    "Kind",
+    "NamingRule",
+    "ParamKey",
+    "Role",
+    "Slot",
+    "Split",
+    "classify",
+    "convert",
+    "hf_module",
+    "hf_specs",
+    "index_params",
+    "merge_fc1",
+    "merge_qkv",
+    "plan",
+    "shard",
+    "split_fc1",
+    "split_qkv",
+    "to_megatron",
 ]

@@ -48,13 +48,17 @@ def delivery_error(update_id: int, why: str, after: Ack) -> DeliveryError:
     if after.serving and after.committed_update_id != update_id:
         outcome = f"the engine rolled back to update {after.committed_update_id} and serves it"
     elif not after.serving:
-        outcome = ("the engine cannot roll a full update back, so it refuses to serve (fails closed) until an "
-                   "update commits and verifies: push a good update")
+        outcome = (
+            "the engine cannot roll a full update back, so it refuses to serve (fails closed) until an "
+            "update commits and verifies: push a good update"
+        )
     else:
         outcome = f"the engine still serves update {update_id}"
-    return DeliveryError(f"update {update_id} committed but failed verification: {why}; {outcome}. Check that "
-                         "trainer and engine load the same model and conversion, or raise Probe.tolerance if "
-                         "the engine's numerics (dtype, kernels) legitimately differ")
+    return DeliveryError(
+        f"update {update_id} committed but failed verification: {why}; {outcome}. Check that "
+        "trainer and engine load the same model and conversion, or raise Probe.tolerance if "
+        "the engine's numerics (dtype, kernels) legitimately differ"
+    )
 
 
 __all__ = ["Deviation", "delivery_error"]

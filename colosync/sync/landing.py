@@ -51,7 +51,8 @@ from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteEr
 from colosync.sync.target import Staging
 from colosync.wire import fused
 from colosync.wire.bucket import tensor_views, typed_views
-from colosync.wire.manifest import Layout, TensorMeta, UpdateManifest
+from colosync.wire.fused import Segment
+from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class ViewKey(NamedTuple):
     """The memory a cached list of typed views looks into."""
 
     source: str  # SLOT (a transport slot) or BOUNCE (the bounce buffer)
-    index: int = 0  # the slot's index; 0 for the bounce buffer
+    slot: int = 0  # the slot's index; 0 for the bounce buffer (not ``index``: that is tuple.index)
 
 
 class BucketPlan:
@@ -102,9 +103,11 @@ class LayoutPlan:
         for i, t in enumerate(layout.tensors):
             members[t.bucket].append(i)
         self.buckets = [
-            BucketPlan(size, idx, [layout.tensors[i] for i in idx]) for size, idx in zip(layout.bucket_sizes, members)
+            BucketPlan(size, idx, [layout.tensors[i] for i in idx])
+            for size, idx in zip(layout.bucket_sizes, members, strict=True)
         ]
-        self.validated: set[tuple] = set()  # (kind, lora) pairs the engine has accepted with this layout
+        # (kind, lora) pairs the engine has accepted with this layout
+        self.validated: set[tuple[str, LoraSpec | None]] = set()
 
 
 class Plans:
@@ -237,8 +240,14 @@ class Landing(abc.ABC):
 
     kind: ClassVar[str]  # "owned", "buckets" or "tensors": what the engine lent
 
-    def __init__(self, lander: Lander, manifest: UpdateManifest, plan: LayoutPlan, policy: ReceiverPolicy,
-                 staging: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        lander: Lander,
+        manifest: UpdateManifest,
+        plan: LayoutPlan,
+        policy: ReceiverPolicy,
+        staging: list[torch.Tensor] | None = None,
+    ) -> None:
         self.manifest, self.plan, self.staging = manifest, plan, staging
         self._lander = lander
         self._fingerprints = policy.verify_fingerprints
@@ -254,6 +263,13 @@ class Landing(abc.ABC):
     @property
     def update_id(self) -> int:
         return self.manifest.update_id
+
+    @property
+    def lent(self) -> list[torch.Tensor]:
+        """The staging tensors the engine lent (landings of kind "buckets" and "tensors", until ``release``)."""
+        if self.staging is None:
+            raise TransactionStateError(f"update {self.update_id} has no staging tensors lent by the engine")
+        return self.staging
 
     def admit(self, msg: Stage, transport: ReceiverTransport) -> torch.Tensor | None:
         """The chunk's bytes in its slot, once it is known to fit the slot and continue its bucket."""
@@ -298,7 +314,7 @@ class Landing(abc.ABC):
     def engine_tensors(self) -> dict[str, torch.Tensor]:
         """The update's tensors by name, for ``EngineTarget.prepare``."""
         if self.staging is not None:
-            self.tensors = dict(zip(self.plan.names, self.staging))
+            self.tensors = dict(zip(self.plan.names, self.staging, strict=True))
         return self.tensors
 
     def release(self) -> None:
@@ -311,12 +327,20 @@ class Landing(abc.ABC):
 
     # -- strategies ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _land(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Put one chunk where this destination wants it; return (the bucket's bytes, its verdict)."""
 
-    def _into_flat(self, flat: torch.Tensor, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-                   row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _into_flat(
+        self,
+        flat: torch.Tensor,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
         if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
             return flat, fused.copy_check(src, flat, self._segments(b), out=row)  # copy + fingerprint + check
@@ -326,15 +350,17 @@ class Landing(abc.ABC):
             return flat, fused.copy_check(flat, None, self._segments(b), out=row)
         return flat, None
 
-    def _from_slot(self, b: BucketPlan, msg: Stage, src: torch.Tensor,
-                   row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _from_slot(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole bucket is in a slot on the device: check it there, then one fused copy out."""
         result = fused.copy_check(src, None, self._segments(b), out=row) if self._check else None
         self._scatter(b, b.typed(ViewKey(SLOT, msg.slot), src))
         return src, result
 
-    def _via_bounce(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-                    row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _via_bounce(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Assemble the bucket in the bounce buffer; once whole, check it and copy it out in one go."""
         bounce = self._lander.bounce.get(b.size)
         if src is not None:
@@ -349,10 +375,11 @@ class Landing(abc.ABC):
 
     # -- helpers ------------------------------------------------------------------------------
     def _scatter(self, b: BucketPlan, views: list[torch.Tensor]) -> None:
+        lent = self.lent
         with torch.no_grad():
-            torch._foreach_copy_([self.staging[i] for i in b.indices], views, non_blocking=True)
+            torch._foreach_copy_([lent[i] for i in b.indices], views, non_blocking=True)
 
-    def _segments(self, b: BucketPlan) -> list | None:
+    def _segments(self, b: BucketPlan) -> list[Segment] | None:
         return b.segments if self._finite else None
 
     def _row(self, bucket: int) -> torch.Tensor:
@@ -360,8 +387,9 @@ class Landing(abc.ABC):
             self.results = torch.zeros(len(self.plan.buckets), 2, dtype=torch.int64, device=self._lander.device)
         return self.results[bucket]
 
-    def _landed(self, msg: Stage, b: BucketPlan, checked: torch.Tensor, result: torch.Tensor | None,
-                row: torch.Tensor | None) -> None:
+    def _landed(
+        self, msg: Stage, b: BucketPlan, checked: torch.Tensor, result: torch.Tensor | None, row: torch.Tensor | None
+    ) -> None:
         """A bucket is complete in ``checked``: publish it and check (or queue the check of) it."""
         self._publish(b, checked)
         if self._finite and b.segments is None:  # fp8 has no device check: tensor by tensor
@@ -376,11 +404,12 @@ class Landing(abc.ABC):
         else:
             self._verify([item])
 
-    def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:
+    def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make a complete bucket's tensors visible to ``prepare`` (staged ones already are)."""
 
     def _bucket_tensors(self, b: BucketPlan) -> dict[str, torch.Tensor]:
-        return dict(zip(b.names, (self.staging[i] for i in b.indices)))
+        lent = self.lent
+        return dict(zip(b.names, (lent[i] for i in b.indices), strict=True))
 
     def _verify(self, items: list[Verdict]) -> None:
         """Read the verdicts ([fingerprint, non-finite] per bucket) in one transfer; raise the first."""
@@ -392,7 +421,7 @@ class Landing(abc.ABC):
             values = [rows[b] for b, _, _ in items]
         else:
             values = torch.stack([result for _, result, _ in items]).tolist()
-        for (bucket, _, sent), (got, bad) in zip(items, values):
+        for (bucket, _, sent), (got, bad) in zip(items, values, strict=True):
             if self._fingerprints and (sent is None or got != sent):
                 raise fingerprint_error(self.update_id, bucket, got, sent)
             if bad and self._finite:
@@ -405,8 +434,9 @@ class OwnedLanding(Landing):
 
     kind = "owned"
 
-    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _land(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         buffer = self.buffers.get(msg.bucket)
         if buffer is None:
             buffer = self.buffers[msg.bucket] = torch.empty(b.size, dtype=torch.uint8, device=self._lander.device)
@@ -424,13 +454,21 @@ class BucketLanding(Landing):
 
     kind = "buckets"
 
-    def __init__(self, lander: Lander, manifest: UpdateManifest, plan: LayoutPlan, policy: ReceiverPolicy,
-                 staging: list[torch.Tensor], flats: Any) -> None:
+    def __init__(
+        self,
+        lander: Lander,
+        manifest: UpdateManifest,
+        plan: LayoutPlan,
+        policy: ReceiverPolicy,
+        staging: list[torch.Tensor],
+        flats: Any,
+    ) -> None:
         super().__init__(lander, manifest, plan, policy, staging)
         self.flats = flats
 
-    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _land(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._into_flat(self.flats[msg.bucket], b, msg, src, last, row)
 
     def release(self) -> None:
@@ -443,10 +481,11 @@ class TensorLanding(Landing):
 
     kind = "tensors"
 
-    def _land(self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool,
-              row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _land(
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if b.single:  # the tensor is the whole bucket: land flat in it
-            tensor = self.staging[b.indices[0]]
+            tensor = self.lent[b.indices[0]]
             if tensor.is_contiguous():
                 return self._into_flat(tensor.reshape(-1).view(torch.uint8), b, msg, src, last, row)
         if last and msg.offset == 0 and src is not None and src.device == self._lander.device:
@@ -463,7 +502,9 @@ def fingerprint_error(update_id: int, bucket: int, got: int, sent: int | None) -
 
 def check_finite(views: dict[str, torch.Tensor], update_id: int) -> None:
     """Raise ``NonFiniteError`` naming the tensors of ``views`` that hold NaN or Inf."""
-    floats = [(n, t if t.dtype.itemsize > 1 else t.float()) for n, t in views.items() if t.is_floating_point() and t.numel()]
+    floats = [
+        (n, t if t.dtype.itemsize > 1 else t.float()) for n, t in views.items() if t.is_floating_point() and t.numel()
+    ]
     if not floats:
         return
     maxes = torch._foreach_norm([t for _, t in floats], float("inf"))

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from colosync.errors import ColosyncError, EngineError
-from colosync.wire.protocol import Ack, Codec, Failed, TransactionRequest
 from colosync.sync.receiver import Receiver
+from colosync.wire.protocol import Ack, Codec, Failed, TransactionRequest
 
 
 class Pending(Protocol):
@@ -40,7 +40,8 @@ class Done:
     def wait(self) -> Ack:
         if self._error is not None:
             raise self._error
-        assert self._reply is not None
+        if self._reply is None:
+            raise EngineError("a reply that carries neither an Ack nor an error; this is a colosync bug")
         return self._reply
 
 
@@ -60,7 +61,11 @@ class LocalLink:
         pass
 
 
-def unwrap(reply: msgspec.Struct) -> msgspec.Struct:
+R = TypeVar("R")
+
+
+def unwrap(reply: R) -> R:
+    """``reply``, unless it is a ``Failed``: then raise the error it carries."""
     if isinstance(reply, Failed):
         raise reply.to_exception()
     return reply
@@ -73,7 +78,7 @@ class PipeLink:
         self._conn, self._codec, self._reply_codec = conn, codec, reply_codec
         self._waiting: deque[_PipePending] = deque()
 
-    def submit(self, request: msgspec.Struct) -> "_PipePending":
+    def submit(self, request: msgspec.Struct) -> _PipePending:
         try:
             self._conn.send_bytes(self._codec.encode(request))
         except (OSError, EOFError) as exc:
@@ -82,10 +87,10 @@ class PipeLink:
         self._waiting.append(pending)
         return pending
 
-    def call(self, request: msgspec.Struct) -> msgspec.Struct:
+    def call(self, request: msgspec.Struct) -> Any:
         return self.submit(request).wait()
 
-    def _receive_until(self, target: "_PipePending", timeout: float | None) -> None:
+    def _receive_until(self, target: _PipePending, timeout: float | None) -> None:
         while not target.done:
             if timeout is not None and not self._conn.poll(timeout):
                 raise EngineError(f"the engine did not answer within {timeout}s")
@@ -109,6 +114,7 @@ class _PipePending:
         self.reply: msgspec.Struct | None = None
         self.done = False
 
-    def wait(self):  # noqa: ANN201 - Ack for transaction messages, engine replies otherwise
+    def wait(self) -> Any:
+        """The reply: an ``Ack`` for a transaction message, the engine's own reply otherwise."""
         self._link._receive_until(self, self.timeout)
         return unwrap(self.reply)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from colosync.errors import ConfigError
 from colosync.sync.plan import STAGING, Plan, Plans, StreamSource, ViewKey
 from colosync.transports import SenderTransport
 from colosync.wire import fused
@@ -187,7 +188,12 @@ class BucketStreamer:
         for bucket, size in enumerate(plan.sizes):
             t = time.perf_counter()
             i0, i1 = plan.bounds[bucket]
-            srcs = tensors[i0:i1] if source is None else source.take(plan.metas[i0:i1])
+            if source is not None:
+                srcs = source.take(plan.metas[i0:i1])
+            else:
+                if tensors is None:
+                    raise ConfigError("stream() sends from tensors or from a source; pass one")
+                srcs = tensors[i0:i1]
             device = srcs[0].device if srcs else slot_device
             direct = False  # packed straight into its slot
             if plan.single[bucket] and srcs[0].is_contiguous():

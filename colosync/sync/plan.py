@@ -46,11 +46,12 @@ class Plan:
             starts[meta.bucket + 1] = i + 1
         self.bounds = [(starts[b], starts[b + 1]) for b in range(len(sizes))]
         self.single = [
-            i1 - i0 == 1 and metas[i0].nbytes == size and size > 0 for (i0, i1), size in zip(self.bounds, sizes)
+            i1 - i0 == 1 and metas[i0].nbytes == size and size > 0
+            for (i0, i1), size in zip(self.bounds, sizes, strict=True)
         ]
         self.total = sum(m.nbytes for m in metas)
         self.gaps: list[list[tuple[int, int]]] = []  # padding inside each bucket, zeroed after packing
-        for (i0, i1), size in zip(self.bounds, sizes):
+        for (i0, i1), size in zip(self.bounds, sizes, strict=True):
             gaps, pos = [], 0
             for m in metas[i0:i1]:
                 if m.offset > pos:
@@ -71,7 +72,9 @@ class Plan:
         i0, i1 = self.bounds[key.bucket]
         if self.arena is not None and key.slot == 0:
             arena = self.arena[i0:i1]
-            if all(map(operator.is_, srcs, arena)) or all(a.data_ptr() == s.data_ptr() for a, s in zip(arena, srcs)):
+            if all(map(operator.is_, srcs, arena)) or all(
+                a.data_ptr() == s.data_ptr() for a, s in zip(arena, srcs, strict=False)
+            ):
                 return  # the tensors already live here: nothing to copy
         views = self._views.get(key)
         if views is None:
@@ -101,8 +104,8 @@ class Plans:
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
         self.last: Plan | None = None
-        self._last_specs: list | None = None  # the specs ``last`` was looked up with, as the caller built them
-        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._last_specs: list[tuple[str, Sequence[int], torch.dtype]] | None = None  # as the caller built them
+        self._plans: OrderedDict[tuple[tuple[str, Sequence[int], torch.dtype], ...], Plan] = OrderedDict()
 
     def get(self, specs: list[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> Plan:
         """The plan for ``specs``, made once per layout (a repeated layout costs one list comparison)."""

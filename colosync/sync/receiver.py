@@ -20,14 +20,34 @@ from typing import Any
 import torch
 
 from colosync import transports
-from colosync.errors import (ColosyncError, ConfigError, EngineBusyError, ManifestError, StaleUpdateError,
-                             TransactionStateError, TransportError, UpdateTimeoutError)
+from colosync.errors import (
+    ColosyncError,
+    ConfigError,
+    EngineBusyError,
+    ManifestError,
+    StaleUpdateError,
+    TransactionStateError,
+    TransportError,
+    UpdateTimeoutError,
+)
 from colosync.sync.delivery import delivery_error
 from colosync.sync.landing import Lander, Landing
 from colosync.sync.target import EngineTarget, untie, validate_manifest
 from colosync.wire.manifest import UpdateManifest
-from colosync.wire.protocol import (Abort, Ack, Attach, Begin, Commit, Delivery, Detach, Prepare, Revert, Stage, Status,
-                                    TransactionRequest)
+from colosync.wire.protocol import (
+    Abort,
+    Ack,
+    Attach,
+    Begin,
+    Commit,
+    Delivery,
+    Detach,
+    Prepare,
+    Revert,
+    Stage,
+    Status,
+    TransactionRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +75,9 @@ class _InFlight:
 
 
 class Receiver:
-    def __init__(self, target: EngineTarget, device: torch.device | str = "cpu", policy: ReceiverPolicy | None = None) -> None:
+    def __init__(
+        self, target: EngineTarget, device: torch.device | str = "cpu", policy: ReceiverPolicy | None = None
+    ) -> None:
         self.target = target
         self.device = _usable(torch.device(device))
         self.policy = policy or ReceiverPolicy()
@@ -102,8 +124,13 @@ class Receiver:
         return self.status()
 
     def status(self, delivery: Delivery | None = None) -> Ack:
-        return Ack(committed_update_id=self.committed_update_id, in_flight_update_id=self.in_flight,
-                   highest_update_id=self._highest_update_id, serving=self.serving, delivery=delivery)
+        return Ack(
+            committed_update_id=self.committed_update_id,
+            in_flight_update_id=self.in_flight,
+            highest_update_id=self._highest_update_id,
+            serving=self.serving,
+            delivery=delivery,
+        )
 
     # -- transaction steps ------------------------------------------------------------------
     def attach(self, transport: str, handle: bytes, takeover: bool = False) -> None:
@@ -112,7 +139,8 @@ class Receiver:
         if self._transport is not None and not takeover:
             raise EngineBusyError(
                 "another sender is attached to this engine; one sender updates an engine at a time: close it "
-                "(Sender.close() detaches) or take over with Sender(..., takeover=True)")
+                "(Sender.close() detaches) or take over with Sender(..., takeover=True)"
+            )
         try:
             opened = transports.receiver_class(transport).open(handle, self.device)
         except ColosyncError:
@@ -138,15 +166,20 @@ class Receiver:
     def begin(self, manifest: UpdateManifest) -> None:
         uid = manifest.update_id
         if uid <= self.committed_update_id:
-            raise StaleUpdateError(f"update {uid} is not newer than the committed update {self.committed_update_id}; "
-                                   "use a fresh, increasing update_id (Sender does this for you)")
+            raise StaleUpdateError(
+                f"update {uid} is not newer than the committed update {self.committed_update_id}; "
+                "use a fresh, increasing update_id (Sender does this for you)"
+            )
         if self._inflight is not None and uid <= self._inflight.update_id:
-            raise StaleUpdateError(f"update {uid} repeats or precedes the in-flight update {self._inflight.update_id}; "
-                                   "abort it first or use a larger update_id")
+            raise StaleUpdateError(
+                f"update {uid} repeats or precedes the in-flight update {self._inflight.update_id}; "
+                "abort it first or use a larger update_id"
+            )
         if uid <= self._highest_update_id:
             raise StaleUpdateError(
                 f"update {uid} is not newer than update {self._highest_update_id}, which began and ended "
-                "without commit; ids are never reused: use a larger update_id (Sender does this for you)")
+                "without commit; ids are never reused: use a larger update_id (Sender does this for you)"
+            )
         plan = self._lander.plans.get(manifest.layout)
         checked = (manifest.kind, manifest.lora)
         if checked not in plan.validated:  # an invalid update must not end the one in flight
@@ -155,13 +188,18 @@ class Receiver:
             plan.validated.add(checked)
         if self._inflight is not None:
             log.warning("receiver: update %d supersedes unfinished update %d", uid, self._inflight.update_id)
-            self._end("superseded by update %d" % uid)
+            self._end(f"superseded by update {uid}")
         self._highest_update_id = uid
         landing = self._lander.open(manifest, plan, self.target.staging(manifest), self.policy)
         self._inflight = _InFlight(manifest, landing)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("receiver: begin update %d (%s, %d tensors, %d bytes)", uid, manifest.kind,
-                      len(manifest.tensors), manifest.total_bytes)
+            log.debug(
+                "receiver: begin update %d (%s, %d tensors, %d bytes)",
+                uid,
+                manifest.kind,
+                len(manifest.tensors),
+                manifest.total_bytes,
+            )
 
     def stage(self, msg: Stage) -> None:
         tx = self._current(msg.update_id, "stage")
@@ -189,7 +227,8 @@ class Receiver:
         if missing:
             self._end("prepare before all buckets arrived")
             raise TransactionStateError(
-                f"update {update_id}: prepare before buckets {missing[:10]} arrived; stage every bucket first")
+                f"update {update_id}: prepare before buckets {missing[:10]} arrived; stage every bucket first"
+            )
         try:
             tx.landing.verify()
             tensors = untie(tx.manifest, tx.landing.engine_tensors(), self._spec)
@@ -223,8 +262,10 @@ class Receiver:
     def revert(self, update_id: int, reason: str) -> Ack:
         """Undo the last commit (it failed verification): the engine's previous version, or fail closed."""
         if update_id != self.committed_update_id:
-            raise TransactionStateError(f"revert of update {update_id}, but the last commit is "
-                                        f"{self.committed_update_id}; only the last commit can be reverted")
+            raise TransactionStateError(
+                f"revert of update {update_id}, but the last commit is "
+                f"{self.committed_update_id}; only the last commit can be reverted"
+            )
         if self.target.revert(update_id):
             self.committed_update_id = self._previous_update_id
             log.warning("receiver: update %d reverted to %d: %s", update_id, self.committed_update_id, reason)
@@ -269,8 +310,10 @@ class Receiver:
         if why is not None:
             cls = UpdateTimeoutError if why.startswith("timed out") else TransactionStateError
             raise cls(f"update {update_id} was aborted ({why}); start a new update")
-        raise TransactionStateError(f"{step} for update {update_id}, but the update in flight is "
-                                    f"{tx.update_id if tx else 'none'}; send Begin first")
+        raise TransactionStateError(
+            f"{step} for update {update_id}, but the update in flight is "
+            f"{tx.update_id if tx else 'none'}; send Begin first"
+        )
 
     def _end(self, reason: str) -> None:
         self._drain()
@@ -294,6 +337,8 @@ def _usable(device: torch.device) -> torch.device:
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        raise ConfigError(f"Receiver(device={str(device)!r}) on a host where CUDA is not available; "
-                          "use device='cpu' or run the engine where its GPU is visible")
+        raise ConfigError(
+            f"Receiver(device={str(device)!r}) on a host where CUDA is not available; "
+            "use device='cpu' or run the engine where its GPU is visible"
+        )
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

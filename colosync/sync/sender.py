@@ -18,6 +18,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -39,13 +40,19 @@ Specs = Sequence[tuple[str, Sequence[int], torch.dtype]]  # TensorSpecs, or plai
 
 def peft_lora_spec(peft_model: torch.nn.Module, adapter: str = "default") -> LoraSpec:
     """The ``LoraSpec`` of a PEFT model's adapter (rank, alpha, targets, rslora, layers)."""
-    cfg = peft_model.peft_config[adapter]
+    configs: Any = peft_model.peft_config  # PEFT's {adapter name: LoraConfig}, duck-typed (PEFT is optional)
+    cfg = configs[adapter]
     targets = cfg.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
     layers = getattr(cfg, "layers_to_transform", None)
     layers = (layers,) if isinstance(layers, int) else tuple(sorted(layers)) if layers else None
-    return LoraSpec(rank=int(cfg.r), alpha=float(cfg.lora_alpha), target_modules=targets,
-                    use_rslora=bool(getattr(cfg, "use_rslora", False)), layers=layers)
+    return LoraSpec(
+        rank=int(cfg.r),
+        alpha=float(cfg.lora_alpha),
+        target_modules=targets,
+        use_rslora=bool(getattr(cfg, "use_rslora", False)),
+        layers=layers,
+    )
 
 
 def peft_lora_tensors(peft_model: torch.nn.Module, adapter: str = "default") -> list[tuple[str, torch.Tensor]]:
@@ -99,11 +106,20 @@ class Sender:
     def transport(self) -> transports.SenderTransport | None:
         return self._transport
 
-    def push_peft(self, peft_model: torch.nn.Module, adapter: str = "default", verify: Probe | None = None) -> SyncReport:
-        return self.push(peft_lora_tensors(peft_model, adapter), lora=peft_lora_spec(peft_model, adapter), verify=verify)
+    def push_peft(
+        self, peft_model: torch.nn.Module, adapter: str = "default", verify: Probe | None = None
+    ) -> SyncReport:
+        return self.push(
+            peft_lora_tensors(peft_model, adapter), lora=peft_lora_spec(peft_model, adapter), verify=verify
+        )
 
-    def push(self, named: Iterable[tuple[str, torch.Tensor]], lora: LoraSpec | None = None,
-             update_id: int | None = None, verify: Probe | None = None) -> SyncReport:
+    def push(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        lora: LoraSpec | None = None,
+        update_id: int | None = None,
+        verify: Probe | None = None,
+    ) -> SyncReport:
         """Send ``named`` as one transaction: a LoRA update if ``lora`` is given, else full weights.
 
         ``verify``: completions with this trainer's logprobs under the update; the engine scores
@@ -118,15 +134,24 @@ class Sender:
         specs = list(zip([n for n, _ in items], map(_SHAPE, tensors), map(_DTYPE, tensors), strict=True))
         return self._resync_once(lambda: self._push(specs, tensors, None, lora, update_id, start, verify), update_id)
 
-    def push_stream(self, specs: Specs, tensors: Iterator[tuple[str, torch.Tensor]], lora: LoraSpec | None = None,
-                    update_id: int | None = None, verify: Probe | None = None) -> SyncReport:
+    def push_stream(
+        self,
+        specs: Specs,
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        lora: LoraSpec | None = None,
+        update_id: int | None = None,
+        verify: Probe | None = None,
+    ) -> SyncReport:
         """Like ``push`` for sources that materialize tensors lazily (memory bounded by a bucket).
 
         ``specs`` lists every tensor's name, shape and dtype up front; ``tensors`` must yield
         them in the same order. (A stream is read once, so a stale id is not retried here.)
         """
         start = time.perf_counter()
-        normalized = [(n, tuple(shape), dtype) for n, shape, dtype in specs]  # a Plan makes TensorSpecs of them
+        # a Plan makes TensorSpecs of them
+        normalized: list[tuple[str, Sequence[int], torch.dtype]] = [
+            (n, tuple(shape), dtype) for n, shape, dtype in specs
+        ]
         return self._push(normalized, None, StreamSource(tensors), lora, update_id, start, verify)
 
     def arena(self, specs: Specs, device: torch.device | str) -> list[torch.Tensor]:
@@ -146,10 +171,11 @@ class Sender:
         self.close()
         self.bucket_bytes = max(align_up(total), 8192)  # one bucket, the whole update
         self.slots = 1
-        slot = self._attach(device, None).transport.slot(0)
+        transport = self._attach(device, None).transport
+        slot = transport.slot(0)
         if slot.device != device:
             raise TransportUnavailable(
-                f"the {self.transport.name} transport keeps its buffer in {slot.device} memory, so it "
+                f"the {transport.name} transport keeps its buffer in {slot.device} memory, so it "
                 f"cannot host an arena for tensors on {device}; use transport='cuda_ipc'"
             )
         self._plans.clear()  # plans made under another bucket size would not fit the arena
@@ -170,7 +196,7 @@ class Sender:
         self._arena = None
         self._plans.drop_views()
 
-    def __enter__(self) -> "Sender":
+    def __enter__(self) -> Sender:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,8 +215,16 @@ class Sender:
             log.warning("update id was stale (%s); resynchronised to %s, retrying once", exc, self._next_id)
             return push()
 
-    def _push(self, specs: list, tensors: list[torch.Tensor] | None, source: StreamSource | None,
-              lora: LoraSpec | None, update_id: int | None, start: float, verify: Probe | None) -> SyncReport:
+    def _push(
+        self,
+        specs: list[tuple[str, Sequence[int], torch.dtype]],
+        tensors: list[torch.Tensor] | None,
+        source: StreamSource | None,
+        lora: LoraSpec | None,
+        update_id: int | None,
+        start: float,
+        verify: Probe | None,
+    ) -> SyncReport:
         plan = self._plans.get(specs, self.bucket_bytes)
         if self._arena is not None and plan is not self._arena:
             raise TransportError(
@@ -221,10 +255,17 @@ class Sender:
         seconds = dict(timer.seconds, total=time.perf_counter() - start)
         if ack.delivery is not None and verify is not None:
             seconds["verify"] = ack.delivery.seconds
-        report = SyncReport(uid, manifest.kind, transport.name, len(plan.metas), len(plan.sizes), plan.total, seconds,
-                            ack.delivery)
-        log.info("pushed update %d: %d tensors, %d bytes in %.2f ms via %s", uid, report.tensors, report.bytes,
-                 seconds["total"] * 1e3, transport.name)
+        report = SyncReport(
+            uid, manifest.kind, transport.name, len(plan.metas), len(plan.sizes), plan.total, seconds, ack.delivery
+        )
+        log.info(
+            "pushed update %d: %d tensors, %d bytes in %.2f ms via %s",
+            uid,
+            report.tensors,
+            report.bytes,
+            seconds["total"] * 1e3,
+            transport.name,
+        )
         return report
 
     def _default_device(self) -> torch.device:
@@ -245,7 +286,10 @@ class Sender:
             slots = max(1, min(slots, len(plan.sizes)))
         link, takeover = self.link, self.takeover
         attached = transports.attach_first(
-            self.transport_name, device, bucket_bytes, slots,
+            self.transport_name,
+            device,
+            bucket_bytes,
+            slots,
             lambda name, handle: link.submit(Attach(transport=name, handle=handle, takeover=takeover)).wait(),
         )
         self.transport_log = attached.log

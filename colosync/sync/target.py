@@ -59,8 +59,11 @@ class ModelSpec:
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
     """``{alias: canonical}`` for every state-dict entry that is another parameter (tied weights)."""
     canonical = {id(p): name for name, p in model.named_parameters()}
-    return {name: canonical[id(p)] for name, p in model.state_dict(keep_vars=True).items()
-            if id(p) in canonical and canonical[id(p)] != name}
+    return {
+        name: canonical[id(p)]
+        for name, p in model.state_dict(keep_vars=True).items()
+        if id(p) in canonical and canonical[id(p)] != name
+    }
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,8 @@ def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelS
     if not tensors:
         raise IncompleteUpdateError(
             "an empty LoRA update would leave the engine with no adapter: a LoRA update replaces the whole "
-            f"adapter, so send all of its tensors (Sender.push_peft(model)) for target_modules {list(lora.target_modules)}"
+            "adapter, so send all of its tensors (Sender.push_peft(model)) for target_modules "
+            f"{list(lora.target_modules)}"
         )
     if spec.max_lora_rank is not None and lora.rank > spec.max_lora_rank:
         raise RankError(
@@ -234,6 +238,7 @@ def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelS
     parts: dict[str, set[str]] = {}
     for t in tensors:
         module, part = parse_lora_name(t.name)
+        dims: tuple[int, int] | None
         if spec.lora_modules is None:  # any module: the rank must still match the spec
             dims = (t.shape[1], t.shape[1]) if part == "A" and len(t.shape) == 2 else (t.shape[0], t.shape[0])
         else:
@@ -265,15 +270,13 @@ def _validate_lora(tensors: tuple[TensorMeta, ...], lora: LoraSpec, spec: ModelS
     for module, have in parts.items():
         if have != {"A", "B"}:
             missing = ({"A", "B"} - have).pop()
-            raise UnknownTensorError(
-                f"module {module!r} has lora_{have.pop()} but no lora_{missing}; send both halves"
-            )
+            raise UnknownTensorError(f"module {module!r} has lora_{have.pop()} but no lora_{missing}; send both halves")
     if spec.lora_modules is not None:
-        expected = {m for m in spec.lora_modules if _wrapped(m, lora)}
-        missing_modules = sorted(expected - parts.keys())
+        wrapped = {m for m in spec.lora_modules if _wrapped(m, lora)}
+        missing_modules = sorted(wrapped - parts.keys())
         if missing_modules:
             raise IncompleteUpdateError(
-                f"the LoRA update sends {len(parts)} of the {len(expected)} modules its target_modules "
+                f"the LoRA update sends {len(parts)} of the {len(wrapped)} modules its target_modules "
                 f"{list(lora.target_modules)} name in the engine's model; missing {len(missing_modules)}: "
                 f"{missing_modules[:8]}{' ...' if len(missing_modules) > 8 else ''}. A LoRA update replaces the "
                 "whole adapter, so unsent modules would lose theirs: send every module, or narrow target_modules "

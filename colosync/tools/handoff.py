@@ -15,10 +15,23 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -45,9 +58,10 @@ _SIZE_FLAGS = {
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "plan", help="simulate the trainer<->engine memory handoff and recommend a peak-device mode",
+        "plan",
+        help="simulate the trainer<->engine memory handoff and recommend a peak-device mode",
         description="Simulate the colocated handoff (init, rollout->train, train->rollout) in 'cpu' and 'gpu' "
-                    "peak-device order for a node and say which fits. Host figures are per node, GPU per GPU.",
+        "peak-device order for a node and say which fits. Host figures are per node, GPU per GPU.",
     )
     p.add_argument("--workload", help="preset name (e.g. k3-gb300) or a handoff workload .json")
     p.add_argument("--engine-weights", type=parse_size, help="engine weights per GPU (= host mirror size)")
@@ -70,7 +84,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
     b = subparsers.add_parser(
-        "handoff-bench", help="measure trainer sleep/wake throughput of the torch and torch_memory_saver backends",
+        "handoff-bench",
+        help="measure trainer sleep/wake throughput of the torch and torch_memory_saver backends",
     )
     b.add_argument("--size", type=parse_size, default=None, help="state size (default 40GB on CUDA, 256MB on CPU)")
     b.add_argument("--tensors", type=int, default=400)
@@ -145,8 +160,12 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:,.1f}"
 
 
-_PHASE_SHORT = {"start": "start", "init": "init", "rollout_to_train": "rollout→train",
-                "train_to_rollout": "train→rollout"}
+_PHASE_SHORT = {
+    "start": "start",
+    "init": "init",
+    "rollout_to_train": "rollout→train",
+    "train_to_rollout": "train→rollout",
+}
 
 
 def _short_step(label: str) -> str:
@@ -166,8 +185,9 @@ def print_comparison(result: Any, *, why: bool = False) -> None:
     if console.width < 132:
         console = Console(width=170 if why else 132)
     s = result.sizes
-    budget = (f"{_gb(s.host_budget_bytes)} GB ({s.host_budget_bytes / 2**30:,.0f} GiB)"
-              if s.host_budget_bytes else "none")
+    budget = (
+        f"{_gb(s.host_budget_bytes)} GB ({s.host_budget_bytes / 2**30:,.0f} GiB)" if s.host_budget_bytes else "none"
+    )
     console.print(
         f"[bold]{s.name or 'handoff'}[/]: {s.gpus_per_node} GPU(s)/node; per GPU: engine weights "
         f"{_gb(s.engine_weight_bytes)} GB, KV {_gb(s.engine_kv_bytes)} GB, trainer resident "
@@ -176,30 +196,52 @@ def print_comparison(result: Any, *, why: bool = False) -> None:
     )
     for mode, sim in result.simulations.items():
         table = Table(title=f"peak_device={mode}  (GB; host per node, GPU per device)", title_justify="left")
-        for col, justify in (("phase", "left"), ("#", "right"), ("step", "left"), ("host peak", "right"),
-                             ("host after", "right"), ("GPU peak", "right"), ("GPU after", "right"),
-                             ("host copies", "left"), ("why", "left")):
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
+            ("phase", "left"),
+            ("#", "right"),
+            ("step", "left"),
+            ("host peak", "right"),
+            ("host after", "right"),
+            ("GPU peak", "right"),
+            ("GPU after", "right"),
+            ("host copies", "left"),
+            ("why", "left"),
+        )
+        for col, justify in columns:
             if col == "why" and not why:
                 continue
-            table.add_column(col, justify=justify, no_wrap=col != "why", min_width=len(col))  # type: ignore[arg-type]
+            table.add_column(col, justify=justify, no_wrap=col != "why", min_width=len(col))
         for row in sim.rows:
             host = f"[red]{_gb(row.host_peak)}[/]" if row.over_host else _gb(row.host_peak)
             dev = f"[red]{_gb(row.device_peak)}[/]" if row.over_device else _gb(row.device_peak)
             copies = " + ".join(c.split(".")[1] for c in row.host_copies)
             if len(row.host_copies) > 1:
                 copies = f"[yellow]{copies}[/]"
-            cells = [_PHASE_SHORT.get(row.phase, row.phase), str(row.index), _short_step(row.step), host, _gb(row.host_after), dev,
-                     _gb(row.device_after), copies]
+            cells = [
+                _PHASE_SHORT.get(row.phase, row.phase),
+                str(row.index),
+                _short_step(row.step),
+                host,
+                _gb(row.host_after),
+                dev,
+                _gb(row.device_after),
+                copies,
+            ]
             table.add_row(*cells, *([row.why] if why else []))
         console.print(table)
     summary = Table(title="summary (GB)", title_justify="left")
     for col in ("mode", "host peak", "first at", "GPU peak", "first at", "two host copies", "fits"):
         summary.add_column(col, no_wrap=True, min_width=len(col))
     for mode, sim in result.simulations.items():
-        summary.add_row(mode, _gb(sim.host_peak), _short_at(sim.host_peak_step), _gb(sim.device_peak),
-                        _short_at(sim.device_peak_step),
-                        "yes" if sim.both_host_copies else "no",
-                        "[green]yes[/]" if sim.fits else "[red]no[/]")
+        summary.add_row(
+            mode,
+            _gb(sim.host_peak),
+            _short_at(sim.host_peak_step),
+            _gb(sim.device_peak),
+            _short_at(sim.device_peak_step),
+            "yes" if sim.both_host_copies else "no",
+            "[green]yes[/]" if sim.fits else "[red]no[/]",
+        )
     console.print(summary)
     for mode, why in result.rejected.items():
         console.print(f"[yellow]{mode}[/]: {why}")
@@ -243,10 +285,15 @@ def plot_comparison(result: Any, path: str) -> None:
         if s.gpu_bytes:
             ax_dev.axhline(s.gpu_bytes / 1e9, color="red", linestyle="--", label="GPU memory")
         verdict = "fits" if sim.fits else "does not fit"
-        ax_host.set_title(f"peak_device={mode}: host peak {sim.host_peak / 1e9:.0f} GB, "
-                          f"GPU peak {sim.device_peak / 1e9:.0f} GB ({verdict})", fontsize=10)
-        labels = ["start" if r.phase == "start" else
-                  f"{_PHASE_SHORT.get(r.phase, r.phase)} {_short_step(r.step)}" for r in sim.rows]
+        ax_host.set_title(
+            f"peak_device={mode}: host peak {sim.host_peak / 1e9:.0f} GB, "
+            f"GPU peak {sim.device_peak / 1e9:.0f} GB ({verdict})",
+            fontsize=10,
+        )
+        labels = [
+            "start" if r.phase == "start" else f"{_PHASE_SHORT.get(r.phase, r.phase)} {_short_step(r.step)}"
+            for r in sim.rows
+        ]
         ax_dev.set_xticks(range(len(labels)), labels, rotation=65, ha="right", fontsize=7)
         ax_host.set_xticks(range(len(labels)), [""] * len(labels))
         for ax in (ax_host, ax_dev):
@@ -279,9 +326,17 @@ def cmd_handoff_bench(args: argparse.Namespace) -> int:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     try:
         with console.status("handoff-bench") as status:
-            result = run_bench(size_bytes=size, tensors=args.tensors, device=device, dtype=getattr(torch, args.dtype),
-                               repeats=args.repeats, backends=backends, chunk_bytes=args.chunk,
-                               progress=lambda m: status.update(m), argv=_bench_argv(args, size, device))
+            result = run_bench(
+                size_bytes=size,
+                tensors=args.tensors,
+                device=device,
+                dtype=getattr(torch, args.dtype),
+                repeats=args.repeats,
+                backends=backends,
+                chunk_bytes=args.chunk,
+                progress=lambda m: status.update(m),
+                argv=_bench_argv(args, size, device),
+            )
     except ColosyncError as exc:
         print(f"colosync handoff-bench: {exc}", file=sys.stderr)
         return 2
@@ -297,8 +352,21 @@ def cmd_handoff_bench(args: argparse.Namespace) -> int:
 
 def _bench_argv(args: argparse.Namespace, size: int, device: str) -> list[str]:
     """The command line that reproduces this run (canonical, with defaults made explicit)."""
-    argv = ["handoff-bench", "--device", device, "--size", str(size), "--tensors", str(args.tensors),
-            "--dtype", args.dtype, "--repeats", str(args.repeats), "--backends", args.backends]
+    argv = [
+        "handoff-bench",
+        "--device",
+        device,
+        "--size",
+        str(size),
+        "--tensors",
+        str(args.tensors),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+        "--backends",
+        args.backends,
+    ]
     if args.chunk:
         argv += ["--chunk", str(args.chunk)]
     if args.out:
@@ -313,8 +381,10 @@ def print_bench(result: dict[str, Any]) -> None:
     console = Console()
     if console.width < 140:
         console = Console(width=140)
-    table = Table(title=f"trainer sleep/wake on {result['device']} ({result['machine'].get('gpu', 'no GPU')})",
-                  title_justify="left")
+    table = Table(
+        title=f"trainer sleep/wake on {result['device']} ({result['machine'].get('gpu', 'no GPU')})",
+        title_justify="left",
+    )
     for col in ("backend", "GB", "tensors", "sleep GB/s", "wake GB/s", "first cycle sleep/wake", "verified", "note"):
         table.add_column(col)
     for r in result["results"]:
@@ -324,10 +394,24 @@ def print_bench(result: dict[str, Any]) -> None:
         first = r.get("first_cycle") or {}
         first_s = f"{first['sleep_gbps']:.1f} / {first['wake_gbps']:.1f}" if first else "-"
         ref = r.get("reference_pinned_copy")
-        note = (f"pinned copy reference {ref['d2h_gbps']:.1f} / {ref['h2d_gbps']:.1f} GB/s; pool reserve "
-                f"{r['pool_reserve_seconds']:.1f} s") if ref else (f"v{r.get('version')}" if r.get("version") else "")
-        table.add_row(r["backend"], f"{r['bytes'] / 1e9:.1f}", str(r["tensors"]), f"{r['sleep_gbps_median']:.1f}",
-                      f"{r['wake_gbps_median']:.1f}", first_s, "yes" if r["verified"] else "[red]NO[/]", note)
+        note = (
+            (
+                f"pinned copy reference {ref['d2h_gbps']:.1f} / {ref['h2d_gbps']:.1f} GB/s; pool reserve "
+                f"{r['pool_reserve_seconds']:.1f} s"
+            )
+            if ref
+            else (f"v{r.get('version')}" if r.get("version") else "")
+        )
+        table.add_row(
+            r["backend"],
+            f"{r['bytes'] / 1e9:.1f}",
+            str(r["tensors"]),
+            f"{r['sleep_gbps_median']:.1f}",
+            f"{r['wake_gbps_median']:.1f}",
+            first_s,
+            "yes" if r["verified"] else "[red]NO[/]",
+            note,
+        )
     console.print(table)
 
 
@@ -340,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="count", default=0)
     register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
-    logging.basicConfig(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return int(args.func(args) or 0)
 
 

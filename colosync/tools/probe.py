@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -61,7 +62,8 @@ def pidfd_getfd(pid: int, fd: int) -> tuple[bool | None, str]:
         if got < 0:
             err = ctypes.get_errno()
             why = {
-                errno.EPERM: "EPERM: seccomp or ptrace rules forbid it (docker: --cap-add SYS_PTRACE, or a seccomp profile allowing pidfd_getfd)",
+                errno.EPERM: "EPERM: seccomp or ptrace rules forbid it "
+                "(docker: --cap-add SYS_PTRACE, or a seccomp profile allowing pidfd_getfd)",
                 errno.ENOSYS: "ENOSYS: the kernel (< 5.6) or a seccomp filter does not provide it",
             }.get(err, os.strerror(err))
             return False, why
@@ -80,7 +82,9 @@ def _expandable_segments() -> Check:
         if on
         else "expandable segments off (PyTorch's default); "
     ) + "colosync's cuda_ipc allocates its buffer with cudaMalloc outside the allocator, so this does not affect it"
-    return Check("allocator expandable_segments", None, f"{detail} (PYTORCH_CUDA_ALLOC_CONF={conf.strip(',') or 'unset'})")
+    return Check(
+        "allocator expandable_segments", None, f"{detail} (PYTORCH_CUDA_ALLOC_CONF={conf.strip(',') or 'unset'})"
+    )
 
 
 def _ptrace_scope() -> Check:
@@ -129,19 +133,20 @@ def _shm_pinned(device: str) -> Check:
     return Check(
         "shm segment, pinned",
         pinned,
-        "registered with cudaHostRegister: device<->host copies at DMA speed" if pinned
+        "registered with cudaHostRegister: device<->host copies at DMA speed"
+        if pinned
         else "cudaHostRegister failed: copies go through a pageable bounce buffer (several times slower)",
     )
 
 
-def _ipc_child(handle: bytes, parent: int, fd: int, device: str, conn) -> None:  # noqa: ANN001
+def _ipc_child(handle: bytes, parent: int, fd: int, device: str, conn: Connection) -> None:
     result: dict[str, Any] = {}
     try:
         result["pidfd_getfd"] = list(pidfd_getfd(parent, fd))
         import torch
 
-        from colosync.wire.bucket import fingerprint
         from colosync.transports.cuda_ipc import CudaIpcReceiver
+        from colosync.wire.bucket import fingerprint
 
         start = time.perf_counter()
         receiver = CudaIpcReceiver.open(handle, torch.device(device))
@@ -163,14 +168,16 @@ def _cuda_ipc_pair(device: str, timeout_s: float) -> tuple[Check, Check]:
     """Export a buffer here, open/read/write it in a spawned process, check both directions."""
     import torch
 
-    from colosync.wire.bucket import fingerprint
     from colosync.transports.cuda_ipc import CudaIpcSender
+    from colosync.wire.bucket import fingerprint
 
     try:
         sender = CudaIpcSender(1 << 20, 1, torch.device(device))
     except Exception as exc:
         reason = f"export failed here: {exc}"
-        return Check("CUDA IPC between two processes", False, reason), Check("pidfd_getfd from another process", None, "not tested")
+        return Check("CUDA IPC between two processes", False, reason), Check(
+            "pidfd_getfd from another process", None, "not tested"
+        )
     devnull = os.open(os.devnull, os.O_RDONLY)
     try:
         slot = sender.slot(0)
@@ -178,14 +185,20 @@ def _cuda_ipc_pair(device: str, timeout_s: float) -> tuple[Check, Check]:
         expected = fingerprint(slot)
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_ipc_child, args=(sender.handle(), os.getpid(), devnull, device, child_end), daemon=True)
+        child = ctx.Process(
+            target=_ipc_child, args=(sender.handle(), os.getpid(), devnull, device, child_end), daemon=True
+        )
         start = time.perf_counter()
         child.start()
         child_end.close()
         if not parent_end.poll(timeout_s):
             child.terminate()
-            return (Check("CUDA IPC between two processes", False, f"the second process did not answer in {timeout_s:.0f}s"),
-                    Check("pidfd_getfd from another process", None, "not tested"))
+            return (
+                Check(
+                    "CUDA IPC between two processes", False, f"the second process did not answer in {timeout_s:.0f}s"
+                ),
+                Check("pidfd_getfd from another process", None, "not tested"),
+            )
         result = msgspec.msgpack.decode(parent_end.recv_bytes())
         child.join(30)
         torch.cuda.synchronize()
@@ -195,17 +208,30 @@ def _cuda_ipc_pair(device: str, timeout_s: float) -> tuple[Check, Check]:
         os.close(devnull)
         sender.close()
     ok_pidfd, why_pidfd = result.get("pidfd_getfd", [None, "not tested"])
-    pidfd_check = Check("pidfd_getfd from another process", ok_pidfd, why_pidfd + (
-        "; colosync's cuda_ipc does not need it" if ok_pidfd is False else ""))
+    pidfd_check = Check(
+        "pidfd_getfd from another process",
+        ok_pidfd,
+        why_pidfd + ("; colosync's cuda_ipc does not need it" if ok_pidfd is False else ""),
+    )
     if not result.get("ok"):
-        return Check("CUDA IPC between two processes", False, f"the second process could not use the handle: {result.get('error')}"), pidfd_check
+        return Check(
+            "CUDA IPC between two processes",
+            False,
+            f"the second process could not use the handle: {result.get('error')}",
+        ), pidfd_check
     if result.get("fingerprint") != expected or not wrote_back:
-        return Check("CUDA IPC between two processes", False,
-                     "the handle opened but the bytes did not match (read ok: "
-                     f"{result.get('fingerprint') == expected}, write-back seen: {wrote_back})"), pidfd_check
-    return Check("CUDA IPC between two processes", True,
-                 f"exported cudaMalloc memory; a spawned process opened it ({result.get('open_ms', 0):.1f} ms), "
-                 f"read the exact bytes and wrote back ({elapsed:.0f} ms in all, process start included)"), pidfd_check
+        return Check(
+            "CUDA IPC between two processes",
+            False,
+            "the handle opened but the bytes did not match (read ok: "
+            f"{result.get('fingerprint') == expected}, write-back seen: {wrote_back})",
+        ), pidfd_check
+    return Check(
+        "CUDA IPC between two processes",
+        True,
+        f"exported cudaMalloc memory; a spawned process opened it ({result.get('open_ms', 0):.1f} ms), "
+        f"read the exact bytes and wrote back ({elapsed:.0f} ms in all, process start included)",
+    ), pidfd_check
 
 
 def run_probe(device: str | None = None, spawn: bool = True, timeout_s: float = 120.0) -> ProbeReport:
@@ -215,8 +241,11 @@ def run_probe(device: str | None = None, spawn: bool = True, timeout_s: float = 
 
     checks: list[Check] = []
     machine: dict[str, Any] = {
-        "python": platform.python_version(), "torch": str(torch.__version__), "torch_cuda": torch.version.cuda,
-        "platform": platform.platform(), "container": os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "torch_cuda": torch.version.cuda,
+        "platform": platform.platform(),
+        "container": os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"),
     }
     cuda = torch.cuda.is_available()
     if device is None:
@@ -225,18 +254,32 @@ def run_probe(device: str | None = None, spawn: bool = True, timeout_s: float = 
         index = torch.device(device).index or 0 if torch.device(device).type == "cuda" else 0
         props = torch.cuda.get_device_properties(index)
         machine.update(gpu=props.name, gpus=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}")
-        checks.append(Check("CUDA", True, f"{torch.cuda.device_count()} GPU(s); cuda:{index} is {props.name}, "
-                                          f"{props.total_memory / 2**30:.0f} GiB, torch CUDA {torch.version.cuda}"))
+        checks.append(
+            Check(
+                "CUDA",
+                True,
+                f"{torch.cuda.device_count()} GPU(s); cuda:{index} is {props.name}, "
+                f"{props.total_memory / 2**30:.0f} GiB, torch CUDA {torch.version.cuda}",
+            )
+        )
         try:
             from colosync.transports.cuda_ipc import runtime
 
             rt = runtime()
             machine.update(cudart=rt.path, cuda_runtime=rt.version("runtime"), cuda_driver=rt.version("driver"))
-            checks.append(Check("CUDA runtime (ctypes)", True, f"{rt.path}; runtime {rt.version('runtime')}, driver API {rt.version('driver')}"))
+            checks.append(
+                Check(
+                    "CUDA runtime (ctypes)",
+                    True,
+                    f"{rt.path}; runtime {rt.version('runtime')}, driver API {rt.version('driver')}",
+                )
+            )
         except Exception as exc:
             checks.append(Check("CUDA runtime (ctypes)", False, str(exc)))
     else:
-        checks.append(Check("CUDA", False, "torch.cuda.is_available() is False: only the shm transport (CPU copies) applies"))
+        checks.append(
+            Check("CUDA", False, "torch.cuda.is_available() is False: only the shm transport (CPU copies) applies")
+        )
     ipc_check = None
     if cuda and torch.device(device).type == "cuda":
         if spawn:
@@ -301,11 +344,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_subcommand(
-        subparsers, "probe", doc=__doc__,
+        subparsers,
+        "probe",
+        doc=__doc__,
         help="test what this machine allows (CUDA IPC, pinned shm, pidfd_getfd, ...) and which transport auto picks",
     )
-    parser.add_argument("--device", default=None, help="device the trainer's tensors live on (default: cuda if present, else cpu)")
+    parser.add_argument(
+        "--device", default=None, help="device the trainer's tensors live on (default: cuda if present, else cpu)"
+    )
     parser.add_argument("--no-spawn", action="store_true", help="skip the two-process CUDA IPC test (no child process)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the second process (default 120)")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the second process (default 120)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=_run)

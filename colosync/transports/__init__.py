@@ -38,11 +38,10 @@ def _load(name: str, index: int) -> type:
     try:
         spec = _REGISTRY[name]
     except KeyError:
-        raise TransportUnavailable(
-            f"unknown transport {name!r}; choose one of {names()} or 'auto'"
-        ) from None
+        raise TransportUnavailable(f"unknown transport {name!r}; choose one of {names()} or 'auto'") from None
     module, *classes = spec.split(":")
-    return getattr(importlib.import_module(module), classes[index])
+    cls: type = getattr(importlib.import_module(module), classes[index])  # a class named in _REGISTRY
+    return cls
 
 
 def sender_class(name: str) -> type[SenderTransport]:
@@ -132,6 +131,12 @@ def _pass_over(passed: list[str], name: str, level: int, what: str, why: object)
 
 
 __all__ = [
-    "Attached", "SenderTransport", "ReceiverTransport", "attach_first", "names", "candidates", "sender_class",
+    "Attached",
+    "SenderTransport",
+    "ReceiverTransport",
+    "attach_first",
+    "names",
+    "candidates",
+    "sender_class",
     "receiver_class",
 ]

@@ -32,7 +32,7 @@ class SenderTransport(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "SenderTransport":
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> SenderTransport:
         """Allocate the slots once; they are reused for every update."""
 
     @classmethod
@@ -63,10 +63,10 @@ class SenderTransport(ABC):
     def slot(self, index: int) -> torch.Tensor:
         """Writable ``uint8`` view of slot ``index`` (host or device memory)."""
 
-    def attached(self) -> None:
+    def attached(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """The peer has opened the handle (e.g. a name can now be unlinked)."""
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
 
     @abstractmethod
@@ -81,7 +81,7 @@ class ReceiverTransport(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, handle: bytes, device: torch.device) -> "ReceiverTransport": ...
+    def open(cls, handle: bytes, device: torch.device) -> ReceiverTransport: ...
 
     @abstractmethod
     def slot(self, index: int) -> torch.Tensor:

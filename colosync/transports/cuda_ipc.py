@@ -24,6 +24,9 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import msgspec
 import torch
@@ -97,7 +100,7 @@ class CudaRuntime:
         self._check(fn(ctypes.byref(out)), f"cuda{which.title()}GetVersion")
         return out.value
 
-    def _on(self, index: int):  # noqa: ANN202 - a tiny context manager
+    def _on(self, index: int) -> AbstractContextManager[None]:
         runtime = self
 
         class _Device:
@@ -118,7 +121,7 @@ class CudaRuntime:
         ptr = ctypes.c_void_p()
         with self._on(index):
             self._check(self._lib.cudaMalloc(ctypes.byref(ptr), nbytes), f"cudaMalloc({nbytes} bytes) on cuda:{index}")
-        return int(ptr.value)
+        return _address(ptr, "cudaMalloc")
 
     def free(self, ptr: int) -> None:
         self._check(self._lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
@@ -140,10 +143,17 @@ class CudaRuntime:
                 "engine on one host, in one PID/IPC namespace, with the GPU visible to both; "
                 "`colosync probe` tests this machine, and transport='auto' falls back to shm"
             )
-        return int(ptr.value)
+        return _address(ptr, "cudaIpcOpenMemHandle")
 
     def close_ipc(self, ptr: int) -> None:
         self._check(self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+def _address(ptr: ctypes.c_void_p, call: str) -> int:
+    """The device address a successful ``call`` wrote into ``ptr``."""
+    if ptr.value is None:
+        raise TransportError(f"{call} succeeded but returned a NULL pointer")
+    return ptr.value
 
 
 _runtime: CudaRuntime | None = None
@@ -195,12 +205,12 @@ def runtime() -> CudaRuntime:
 class DeviceBuffer:
     """Device memory seen as a ``uint8`` tensor; released when the last view of it is gone."""
 
-    def __init__(self, ptr: int, nbytes: int, index: int, release) -> None:  # noqa: ANN001
+    def __init__(self, ptr: int, nbytes: int, index: int, release: Callable[[int], None] | None) -> None:
         self.ptr, self.nbytes, self.index = ptr, nbytes, index
         self._release = release
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> dict[str, Any]:
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
 
     def tensor(self) -> torch.Tensor:
@@ -231,7 +241,9 @@ def device_uuid(index: int) -> str:
     if uuid is not None:
         return str(uuid)
     bus = getattr(props, "pci_bus_id", None)  # older torch: the PCI location names the GPU too
-    return f"pci:{props.pci_domain_id}:{bus}:{props.pci_device_id}" if bus is not None else f"name:{props.name}"
+    if bus is None:
+        return f"name:{props.name}"
+    return f"pci:{getattr(props, 'pci_domain_id', None)}:{bus}:{getattr(props, 'pci_device_id', None)}"
 
 
 def _index_of(uuid: str) -> int:
@@ -274,7 +286,7 @@ class CudaIpcSender(SenderTransport):
         return True, "one cudaMalloc buffer exported once; the engine opens it once and copies out on the GPU"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "CudaIpcSender":
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> CudaIpcSender:
         return cls(slot_bytes, slots, device)
 
     def __init__(self, slot_bytes: int, slots: int, device: torch.device) -> None:
@@ -282,16 +294,16 @@ class CudaIpcSender(SenderTransport):
             raise TransportError(f"cuda_ipc needs slot_bytes > 0 and slots > 0, got {slot_bytes}, {slots}")
         index = _device_index(device)
         self._slot_bytes, self._slots = slot_bytes, slots
-        self._memory = allocate(slot_bytes * slots, index)
-        self._handle = CudaIpcHandle(
-            runtime().export(self._memory.ptr), device_uuid(index), os.getpid(), slot_bytes, slots
-        )
+        memory = allocate(slot_bytes * slots, index)
+        self._memory: DeviceBuffer | None = memory
+        self._handle = CudaIpcHandle(runtime().export(memory.ptr), device_uuid(index), os.getpid(), slot_bytes, slots)
         for key in [k for k, ref in _exported.items() if ref() is None]:
             del _exported[key]
-        _exported[self._handle.handle] = weakref.ref(self._memory)
-        self._buffer: torch.Tensor | None = self._memory.tensor()
-        self._buffer.zero_()  # padding between tensors stays zero from here on
-        self._views = [self._buffer[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
+        _exported[self._handle.handle] = weakref.ref(memory)
+        buffer = memory.tensor()
+        self._buffer: torch.Tensor | None = buffer
+        buffer.zero_()  # padding between tensors stays zero from here on
+        self._views = [buffer[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
         log.debug("cuda_ipc: exported %d x %d bytes on cuda:%d", slots, slot_bytes, index)
 
     @property
@@ -315,7 +327,7 @@ class CudaIpcReceiver(ReceiverTransport):
     name = "cuda_ipc"
 
     @classmethod
-    def open(cls, handle: bytes, device: torch.device) -> "CudaIpcReceiver":
+    def open(cls, handle: bytes, device: torch.device) -> CudaIpcReceiver:
         try:
             decoded = msgspec.msgpack.decode(handle, type=CudaIpcHandle)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -324,9 +336,7 @@ class CudaIpcReceiver(ReceiverTransport):
 
     def __init__(self, handle: CudaIpcHandle) -> None:
         if not torch.cuda.is_available():
-            raise TransportError(
-                "the engine process has no CUDA, so it cannot open a CUDA IPC handle; use shm"
-            )
+            raise TransportError("the engine process has no CUDA, so it cannot open a CUDA IPC handle; use shm")
         index = _index_of(handle.device_uuid)
         nbytes = handle.slot_bytes * handle.slots
         memory = None

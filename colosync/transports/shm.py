@@ -15,13 +15,14 @@ the engine's host->device copy of the previous one, which PCIe (full duplex) run
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
 import logging
 import mmap
 import os
 import secrets
 from multiprocessing import resource_tracker
 
-import _posixshmem
 import msgspec
 import torch
 
@@ -42,10 +43,8 @@ class ShmHandle(msgspec.Struct, frozen=True):
 
 
 def _unlink(name: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
 
 
 class _Mapping:
@@ -63,17 +62,18 @@ class _Mapping:
         try:
             if create:
                 os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
         except OSError as exc:
             if create:
                 _unlink(name)
             raise TransportError(f"cannot map {size} bytes of /dev/shm/{name}: {exc}") from exc
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.tensor: torch.Tensor | None = tensor
         self._pinned = False
         if pin:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0)
             self._pinned = int(err) == 0
             if not self._pinned:
                 log.warning("cudaHostRegister of /dev/shm/%s failed (%s); copies will be pageable", name, err)
@@ -82,10 +82,15 @@ class _Mapping:
     def pinned(self) -> bool:
         return self._pinned
 
+    def view(self, start: int, nbytes: int) -> torch.Tensor:
+        if self.tensor is None:
+            raise TransportError("the shared memory segment is closed")
+        return self.tensor[start : start + nbytes]
+
     def close(self) -> None:
         if self._mmap is None:
             return
-        if self._pinned:
+        if self._pinned and self.tensor is not None:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False
         self.tensor = None  # drop our export of the mmap buffer before closing it
@@ -111,7 +116,7 @@ class ShmSender(SenderTransport):
         return True, f"POSIX shared memory, {pinned}"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "ShmSender":
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> ShmSender:
         return cls(slot_bytes, slots, device)
 
     @classmethod
@@ -144,7 +149,7 @@ class ShmSender(SenderTransport):
 
     def slot(self, index: int) -> torch.Tensor:
         start = index * self._slot_bytes
-        return self._map.tensor[start : start + self._slot_bytes]
+        return self._map.view(start, self._slot_bytes)
 
     def attached(self) -> None:
         self._drop_name()
@@ -164,7 +169,7 @@ class ShmReceiver(ReceiverTransport):
     name = "shm"
 
     @classmethod
-    def open(cls, handle: bytes, device: torch.device) -> "ShmReceiver":
+    def open(cls, handle: bytes, device: torch.device) -> ShmReceiver:
         return cls(msgspec.msgpack.decode(handle, type=ShmHandle), device)
 
     def __init__(self, handle: ShmHandle, device: torch.device) -> None:
@@ -176,7 +181,7 @@ class ShmReceiver(ReceiverTransport):
 
     def slot(self, index: int) -> torch.Tensor:
         start = index * self._handle.slot_bytes
-        return self._map.tensor[start : start + self._handle.slot_bytes]
+        return self._map.view(start, self._handle.slot_bytes)
 
     @property
     def num_slots(self) -> int:

@@ -66,10 +66,7 @@ def plan_buckets(specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket
 
 def tensor_views(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> dict[str, torch.Tensor]:
     """Zero-copy typed views of ``metas`` inside one bucket's ``uint8`` buffer."""
-    return {
-        m.name: buffer[m.offset : m.offset + m.nbytes].view(m.torch_dtype).view(m.shape)
-        for m in metas
-    }
+    return {m.name: buffer[m.offset : m.offset + m.nbytes].view(m.torch_dtype).view(m.shape) for m in metas}
 
 
 def typed_views(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[torch.Tensor]:
@@ -152,6 +149,13 @@ def float_runs(metas: Sequence[TensorMeta], base: int = 0) -> list[tuple[int, in
 
 
 __all__ = [
-    "ALIGN", "NamedTensors", "TensorSpec", "plan_buckets", "tensor_views", "fingerprint", "fingerprint_tensor",
-    "typed_views", "float_runs",
+    "ALIGN",
+    "NamedTensors",
+    "TensorSpec",
+    "plan_buckets",
+    "tensor_views",
+    "fingerprint",
+    "fingerprint_tensor",
+    "typed_views",
+    "float_runs",
 ]

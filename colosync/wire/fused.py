@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any, no_type_check
 
 import torch
 
@@ -26,8 +27,12 @@ from colosync.wire.manifest import TensorMeta, align_up
 log = logging.getLogger(__name__)
 
 Segment = tuple[int, int, int, int, "torch.dtype | None"]  # start, end, lane bytes (0: none), exponent mask, dtype
-_LANES = {torch.bfloat16: (2, 0x7F80), torch.float16: (2, 0x7C00), torch.float32: (4, 0x7F800000),
-          torch.float64: (8, 0x7FF0000000000000)}
+_LANES = {
+    torch.bfloat16: (2, 0x7F80),
+    torch.float16: (2, 0x7C00),
+    torch.float32: (4, 0x7F800000),
+    torch.float64: (8, 0x7FF0000000000000),
+}
 _BLOCK = 1024  # int64 words per program step
 
 
@@ -56,18 +61,20 @@ def segments(metas: Sequence[TensorMeta], size: int) -> list[Segment] | None:
     return merged
 
 
-_kernel = None
+_kernel: Any = None  # triton's JITFunction once built (triton ships no types)
 _state: dict[torch.device, bool] = {}
 _lock = threading.Lock()
 
 
-def _build():  # noqa: ANN202
+def _build() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def copy_check_kernel(src, dst, out, n_words, word0,
-                          COPY: tl.constexpr, LANES: tl.constexpr, EMASK: tl.constexpr, BLOCK: tl.constexpr):
+    @no_type_check  # Triton DSL, not Python: its values are tl tensors, compiled by triton.jit
+    def copy_check_kernel(
+        src, dst, out, n_words, word0, COPY: tl.constexpr, LANES: tl.constexpr, EMASK: tl.constexpr, BLOCK: tl.constexpr
+    ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -108,8 +115,18 @@ def _launch(src: torch.Tensor, dst: torch.Tensor | None, out: torch.Tensor, word
     if sms is None:
         sms = _sms[src.device] = torch.cuda.get_device_properties(src.device).multi_processor_count
     grid = (max(1, min(triton_cdiv(n, _BLOCK), 4 * sms)),)
-    _kernel[grid](words, dst.view(torch.int64) if dst is not None else words, out, n, word0,
-                  COPY=dst is not None, LANES=lanes, EMASK=emask, BLOCK=_BLOCK, num_warps=4)
+    _kernel[grid](
+        words,
+        dst.view(torch.int64) if dst is not None else words,
+        out,
+        n,
+        word0,
+        COPY=dst is not None,
+        LANES=lanes,
+        EMASK=emask,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -154,14 +171,20 @@ def enabled(device: torch.device) -> bool:
                 _selftest(device)
             _state[device] = True
         except Exception as exc:  # missing, failing to compile, or wrong: PyTorch ops instead
-            log.warning("fused copy/check kernel unavailable on %s (%s: %s); using PyTorch ops", device,
-                        type(exc).__name__, exc)
+            log.warning(
+                "fused copy/check kernel unavailable on %s (%s: %s); using PyTorch ops", device, type(exc).__name__, exc
+            )
             _state[device] = False
     return _state[device]
 
 
-def copy_check(src: torch.Tensor, dst: torch.Tensor | None, segs: list[Segment] | None, offset: int = 0,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def copy_check(
+    src: torch.Tensor,
+    dst: torch.Tensor | None,
+    segs: list[Segment] | None,
+    offset: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Copy ``src`` into ``dst`` (if given) and return ``[fingerprint, non-finite flag]`` (int64, lazy).
 
     ``src`` holds bytes ``[offset, offset + len)`` of a bucket; ``segs`` (from ``segments``,
@@ -177,13 +200,19 @@ def copy_check(src: torch.Tensor, dst: torch.Tensor | None, segs: list[Segment] 
             _launch(src, dst, out, offset // 8, 0, 0)
         else:
             for start, end, lanes, emask, _ in segs:
-                _launch(src[start:end], dst[start:end] if dst is not None else None, out,
-                        (offset + start) // 8, lanes, emask)
+                _launch(
+                    src[start:end],
+                    dst[start:end] if dst is not None else None,
+                    out,
+                    (offset + start) // 8,
+                    lanes,
+                    emask,
+                )
         return out
     if dst is not None:
         dst.copy_(src, non_blocking=True)
     fp = fingerprint_tensor(src, offset) if src.numel() else torch.zeros((), dtype=torch.int64, device=device)
-    checked = [src[s:e].view(dtype) for s, e, lanes, _, dtype in (segs or ()) if lanes and e > s]
+    checked = [src[s:e].view(dtype) for s, e, lanes, _, dtype in (segs or ()) if lanes and e > s and dtype is not None]
     if not checked:
         result = torch.stack([fp, torch.zeros((), dtype=torch.int64, device=device)])
     else:

@@ -10,6 +10,7 @@ JSON, never pickle.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Annotated, Literal
 
@@ -35,8 +36,19 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-        "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
     )
     if hasattr(torch, name)
 }
@@ -46,9 +58,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ManifestError(
-            f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}"
-        ) from None
+        raise ManifestError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -190,8 +200,7 @@ def _check_layout(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...]
         seen.add(t.name)
         if t.bucket >= len(bucket_sizes):
             raise ManifestError(
-                f"tensor {t.name!r} is in bucket {t.bucket} but the update has "
-                f"{len(bucket_sizes)} buckets"
+                f"tensor {t.name!r} is in bucket {t.bucket} but the update has {len(bucket_sizes)} buckets"
             )
         if t.offset + t.nbytes > bucket_sizes[t.bucket]:
             raise ManifestError(
@@ -201,7 +210,7 @@ def _check_layout(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...]
         spans.setdefault(t.bucket, []).append((t.offset, t.offset + t.nbytes, t.name))
     for bucket, ranges in spans.items():
         ranges.sort()
-        for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
+        for (_, end, name), (start, _, other) in itertools.pairwise(ranges):
             if start < end:
                 raise ManifestError(f"tensors {name!r} and {other!r} overlap in bucket {bucket}")
 

@@ -11,7 +11,7 @@ integer, length and count is bounded where it is declared and *any* failure to d
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -187,7 +187,7 @@ class _RepeatedBegin:
         self.prefix = self.rest = b""
         self.manifest: UpdateManifest | None = None
 
-    def remember(self, data: bytes, message: "Begin") -> None:
+    def remember(self, data: bytes, message: Begin) -> None:
         at = data.find(self._KEY, 0, 64)
         if at < 0:
             return
@@ -197,9 +197,14 @@ class _RepeatedBegin:
             return
         self.prefix, self.rest, self.manifest = data[:start], data[start + len(number) :], message.manifest
 
-    def decode(self, data: bytes) -> "Begin | None":
+    def decode(self, data: bytes) -> Begin | None:
         size = len(data) - len(self.prefix) - len(self.rest)
-        if self.manifest is None or not 0 < size <= 9 or not data.startswith(self.prefix) or not data.endswith(self.rest):
+        if (
+            self.manifest is None
+            or not 0 < size <= 9
+            or not data.startswith(self.prefix)
+            or not data.endswith(self.rest)
+        ):
             return None
         try:
             uid = msgspec.msgpack.decode(data[len(self.prefix) : len(self.prefix) + size], type=int)
@@ -210,7 +215,7 @@ class _RepeatedBegin:
         except ManifestError:
             return None
 
-    def encode(self, message: "Begin") -> bytes | None:
+    def encode(self, message: Begin) -> bytes | None:
         cached, manifest = self.manifest, message.manifest
         if (
             cached is None
@@ -240,10 +245,13 @@ class Codec:
             return data
         return self._encoder.encode(message)
 
-    def decode(self, data: bytes):  # noqa: ANN201 - returns a member of the union
+    def decode(self, data: bytes) -> Any:
+        """The message: a member of this codec's union."""
         if len(data) > MAX_MESSAGE_BYTES:
-            raise ManifestError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}; "
-                                "split the update (fewer tensors per manifest)")
+            raise ManifestError(
+                f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}; "
+                "split the update (fewer tensors per manifest)"
+            )
         if len(data) > 256:  # only a manifest is that long
             repeated = self._received.decode(data)
             if repeated is not None:

@@ -69,8 +69,7 @@ def resolve(name_or_path: str | os.PathLike[str], kind: str | None = None) -> Pa
     if path.is_file():
         return path
     if path.is_dir():
-        raise ConfigError(f"{what} {text!r} is a directory; give a JSON file in it or a preset name "
-                          f"{sorted(presets)}")
+        raise ConfigError(f"{what} {text!r} is a directory; give a JSON file in it or a preset name {sorted(presets)}")
     if _looks_like_path(text):
         raise ConfigError(f"{what} file {text!r}: no such file (presets are named without a path: {sorted(presets)})")
     if text in presets:
@@ -80,7 +79,9 @@ def resolve(name_or_path: str | os.PathLike[str], kind: str | None = None) -> Pa
             return file
     other = [k for k in KINDS if k != kind and text in _presets(k)] if kind else []
     if other:
-        raise ConfigError(f"{text!r} is a {other[0]} workload, not a {kind} workload; {kind} presets: {sorted(presets)}")
+        raise ConfigError(
+            f"{text!r} is a {other[0]} workload, not a {kind} workload; {kind} presets: {sorted(presets)}"
+        )
     raise ConfigError(f"no {what} preset named {text!r}; presets: {sorted(presets)} (or give the path of a JSON file)")
 
 
@@ -102,8 +103,9 @@ def load(name_or_path: str | os.PathLike[str], kind: str | None = None) -> dict[
             f"workload file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"workload file {str(path)!r} holds a JSON {_JSON_TYPES.get(type(doc), 'value')}, "
-                          f"not an object of fields")
+        raise ConfigError(
+            f"workload file {str(path)!r} holds a JSON {_JSON_TYPES.get(type(doc), 'value')}, not an object of fields"
+        )
     return doc
 
 

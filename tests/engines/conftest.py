@@ -108,9 +108,17 @@ def vllm_tied_llm(vllm_tied_model_dir):
 
     with _vllm_env(1):
         llm = LLM(
-            model=str(vllm_tied_model_dir), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
-            max_lora_rank=MAX_LORA_RANK, max_loras=1, enforce_eager=True, max_model_len=128, max_num_seqs=4,
-            tensor_parallel_size=1, worker_extension_cls=WORKER_EXTENSION,
+            model=str(vllm_tied_model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=MAX_LORA_RANK,
+            max_loras=1,
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            tensor_parallel_size=1,
+            worker_extension_cls=WORKER_EXTENSION,
         )
     yield llm
     _shutdown(llm)

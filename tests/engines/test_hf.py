@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colosync.wire.bucket import fingerprint, plan_buckets
+from colosync.demo.models import fill_lora, greedy, load_model, random_lora, score
 from colosync.engines.hf import Generate
 from colosync.errors import (
     DtypeError,
@@ -21,10 +21,10 @@ from colosync.errors import (
     TransactionStateError,
     UnknownTensorError,
 )
-from colosync.wire.manifest import UpdateManifest
-from colosync.demo.models import fill_lora, greedy, load_model, random_lora, score
-from colosync.wire.protocol import Begin, Commit, Stage
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.wire.bucket import fingerprint, plan_buckets
+from colosync.wire.manifest import UpdateManifest
+from colosync.wire.protocol import Begin, Commit, Stage
 
 PROMPTS = [[1, 17, 33, 250], [1, 99, 4], [1, 500, 501, 502, 7]]
 NEW = 10
@@ -42,7 +42,7 @@ def trainer(tiny_model_dir):
 
 
 def max_diff(a, b):
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=False) for x, y in zip(xs, ys, strict=False))
 
 
 def test_lora_push_matches_peft_exactly(hf_engine, sender, trainer):
@@ -86,8 +86,9 @@ def served(hf_engine, sender, trainer):
     gen = hf_engine.call(Generate(PROMPTS, NEW))
     yield gen
     after = hf_engine.call(Generate(PROMPTS, NEW))
-    assert (after.update_id, after.tokens, after.logprobs) == (gen.update_id, gen.tokens, gen.logprobs), \
+    assert (after.update_id, after.tokens, after.logprobs) == (gen.update_id, gen.tokens, gen.logprobs), (
         "a rejected update changed what the engine serves"
+    )
 
 
 def lora_with(trainer, edit):
@@ -103,8 +104,14 @@ B = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
 @pytest.mark.parametrize(
     "edit, spec_edit, error, needles",
     [
-        (lambda n: n.__setitem__("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64)),
-         None, UnknownTensorError, ["layers.7.self_attn.q_proj", "no LoRA-capable module", "check the name"]),
+        (
+            lambda n: n.__setitem__(
+                "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64)
+            ),
+            None,
+            UnknownTensorError,
+            ["layers.7.self_attn.q_proj", "no LoRA-capable module", "check the name"],
+        ),
         (lambda n: n.__setitem__(B, torch.zeros(64, 9)), None, ShapeMismatchError, [B, "expected [64, 8]", "rank"]),
         (lambda n: n.__setitem__(A, n[A].to(torch.int32)), None, DtypeError, [A, "int32", "floating-point"]),
         (lambda n: n[B].view(-1).__setitem__(3, float("nan")), None, NonFiniteError, [B, "NaN", "reject_nonfinite"]),
@@ -122,8 +129,10 @@ def test_bad_updates_are_rejected_and_change_nothing(sender, trainer, served, ed
     if spec_edit:
         spec = msgspec.structs.replace(spec, **spec_edit)
         if "rank" in spec_edit:
-            named = [(n, torch.zeros(spec.rank, t.shape[1]) if ".lora_A." in n else torch.zeros(t.shape[0], spec.rank))
-                     for n, t in named]
+            named = [
+                (n, torch.zeros(spec.rank, t.shape[1]) if ".lora_A." in n else torch.zeros(t.shape[0], spec.rank))
+                for n, t in named
+            ]
     with pytest.raises(error) as info:
         sender.push(named, lora=spec)
     for needle in needles:

@@ -19,8 +19,7 @@ from colosync.engines.config import Generate, Score
 from colosync.engines.host import EngineHost, Session
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.store import StoreEngine
-from colosync.errors import (DeliveryError, EngineBusyError, FailedClosedError, IncompleteUpdateError,
-                             TiedWeightError)
+from colosync.errors import DeliveryError, EngineBusyError, FailedClosedError, IncompleteUpdateError, TiedWeightError
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 from colosync.wire.bucket import plan_buckets
@@ -55,7 +54,7 @@ def probe_of(model, tolerance: float = 1e-4, shift: float = 0.0) -> Probe:
     return Probe(PROMPTS, completions, logprobs, tolerance)
 
 
-def served(engine) -> tuple[int, list[list[int]]]:  # noqa: ANN001
+def served(engine) -> tuple[int, list[list[int]]]:
     gen = engine.call(Generate(PROMPTS, NEW))
     return gen.update_id, gen.tokens
 
@@ -141,13 +140,16 @@ def test_a_tied_state_dict_is_accepted_when_lm_head_equals_its_tie(tied):
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(1.1)
     state = model.state_dict()
-    assert "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    assert (
+        "lm_head.weight" in state
+        and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    )
     with Sender(eng.connect(), transport="shm") as sender:
         sender.push(list(state.items()))
         completions = greedy(model, PROMPTS, NEW)[0]
         got = eng.call(Score(PROMPTS, completions)).logprobs
         want = score(model, PROMPTS, completions)
-        assert max(abs(a - b) for xs, ys in zip(got, want) for a, b in zip(xs, ys)) <= 1e-5
+        assert max(abs(a - b) for xs, ys in zip(got, want, strict=False) for a, b in zip(xs, ys, strict=False)) <= 1e-5
         state["lm_head.weight"] = state["lm_head.weight"] * 2  # no longer its tie
         with pytest.raises(TiedWeightError, match="differs from 'model.embed_tokens.weight'.*ties them"):
             sender.push(list(state.items()))

@@ -22,13 +22,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colosync.wire.bucket import plan_buckets
-from colosync.errors import (DeliveryError, EngineError, FailedClosedError, NonFiniteError, RankError,
-                             ShapeMismatchError, TiedWeightError, UpdateRejected)
 from colosync.demo.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora, score
-from colosync.sync.target import Changes, parse_lora_name
-from colosync.wire.protocol import Ack, Commit, Probe, Revert, Status
+from colosync.errors import (
+    DeliveryError,
+    EngineError,
+    FailedClosedError,
+    NonFiniteError,
+    RankError,
+    ShapeMismatchError,
+    TiedWeightError,
+    UpdateRejected,
+)
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.sync.target import Changes, parse_lora_name
+from colosync.wire.bucket import plan_buckets
+from colosync.wire.protocol import Ack, Commit, Probe, Revert, Status
 
 from ..helpers import probing
 from .conftest import BLOCK_SIZE, MAX_LORA_RANK, vllm_tensor_parallel_size
@@ -48,12 +56,14 @@ def vllm_generate(llm, prompts, lora=None, new=NEW):
     params = SamplingParams(temperature=0.0, max_tokens=new, logprobs=0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    logprobs = [
+        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=False)] for o in outs
+    ]
     return outs, tokens, logprobs
 
 
 def max_diff(a, b):
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=False) for x, y in zip(xs, ys, strict=False))
 
 
 def assert_parity(got_tokens, got_logprobs, ref_tokens, ref_logprobs):
@@ -196,7 +206,7 @@ def test_commits_are_atomic_while_another_thread_generates(vllm_llm, vllm_engine
         try:
             while not stop.is_set():
                 outs, tokens, _ = vllm_generate(vllm_llm, [prompt, prompt], lora)
-                results.extend((vllm_engine.version_of(o), t) for o, t in zip(outs, tokens))
+                results.extend((vllm_engine.version_of(o), t) for o, t in zip(outs, tokens, strict=True))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -240,7 +250,9 @@ def assert_still_serving(llm, engine, serving):
 
 def _in_last_bucket(sender, tensors):
     layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], sender.bucket_bytes)
-    assert len(layout.bucket_sizes) > 2 and layout.tensors[-1].bucket == len(layout.bucket_sizes) - 1, "the bad tensor must be in the last bucket of several"
+    assert len(layout.bucket_sizes) > 2 and layout.tensors[-1].bucket == len(layout.bucket_sizes) - 1, (
+        "the bad tensor must be in the last bucket of several"
+    )
 
 
 def test_bad_shape_in_last_bucket_is_rejected(vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving):
@@ -291,8 +303,13 @@ def lora_modules(peft_model):
 
 def vllm_layers(named):
     """The vLLM layers HF parameters load into: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-             "up_proj": "gate_up_proj"}
+    fused = {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
     layers = set()
     for name, _ in named:
         parent, _, leaf = name.rpartition(".")[0].rpartition(".")
@@ -300,8 +317,9 @@ def vllm_layers(named):
     return len(layers)
 
 
-def test_lora_push_with_a_correct_probe_commits_and_reports_its_delivery(vllm_llm, vllm_engine, vllm_sender,
-                                                                         vllm_model_dir):
+def test_lora_push_with_a_correct_probe_commits_and_reports_its_delivery(
+    vllm_llm, vllm_engine, vllm_sender, vllm_model_dir
+):
     trainer = adapter(vllm_model_dir, rank=8, seed=61)
     with probing(vllm_sender, trainer_probe(trainer)) as link:
         report = vllm_sender.push_peft(trainer)
@@ -318,10 +336,15 @@ def test_lora_push_with_a_correct_probe_commits_and_reports_its_delivery(vllm_ll
 def test_lora_push_with_a_wrong_probe_is_rolled_back(vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving):
     new = adapter(vllm_model_dir, rank=8, seed=62)
     wrong = trainer_probe(new, shift=0.5)  # the engine will compute the trainer's logprobs, not these
-    with probing(vllm_sender, wrong):
-        with pytest.raises(DeliveryError, match=r"max \|engine - trainer logprob\| 0\.[45]\d* at prompt .*"
-                                                rf"rolled back to update {serving.uid}") as failed:
-            vllm_sender.push_peft(new)
+    with (
+        probing(vllm_sender, wrong),
+        pytest.raises(
+            DeliveryError,
+            match=r"max \|engine - trainer logprob\| 0\.[45]\d* at prompt .*"
+            rf"rolled back to update {serving.uid}",
+        ) as failed,
+    ):
+        vllm_sender.push_peft(new)
     assert "tolerance 0.001" in str(failed.value)
     assert vllm_engine.link.lora_update_id == serving.uid and vllm_engine.serving
     assert_still_serving(vllm_llm, vllm_engine, serving)
@@ -332,15 +355,15 @@ def test_lora_push_with_a_wrong_probe_is_rolled_back(vllm_llm, vllm_engine, vllm
     assert vllm_engine.committed_update_id == report.update_id
 
 
-def test_full_update_with_a_wrong_probe_fails_closed_until_a_good_one(vllm_llm, vllm_engine, vllm_sender,
-                                                                     vllm_model_dir, serving):
+def test_full_update_with_a_wrong_probe_fails_closed_until_a_good_one(
+    vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving
+):
     original = load_model(vllm_model_dir)
     # The probe of a full update is scored the way the engine serves by default: with the adapter.
     good = Probe(PROMPTS, serving.tokens, serving.logprobs, tolerance=TOL)
     wrong = Probe(PROMPTS, serving.tokens, [[lp - 0.5 for lp in row] for row in serving.logprobs], tolerance=TOL)
-    with probing(vllm_sender, wrong):
-        with pytest.raises(DeliveryError, match="fails closed") as failed:
-            vllm_sender.push(original.named_parameters())
+    with probing(vllm_sender, wrong), pytest.raises(DeliveryError, match="fails closed") as failed:
+        vllm_sender.push(original.named_parameters())
     assert "cannot roll a full update back" in str(failed.value)
     assert not vllm_engine.serving and vllm_engine.link.submit(Status()).wait().serving is False
     with pytest.raises(FailedClosedError, match="push a good update"):
@@ -381,10 +404,9 @@ class _FakeAsyncLLM:
     """Just enough of ``vllm.AsyncLLM`` to drive ``AsyncVllmLink``: two workers, a store each."""
 
     def __init__(self):
+        from colosync.engines.host import EngineHost
         from colosync.engines.store import StoreEngine
         from colosync.sync.receiver import Receiver
-
-        from colosync.engines.host import EngineHost
 
         self.stores = [StoreEngine() for _ in range(2)]
         self.receivers = [Receiver(s) for s in self.stores]
@@ -427,7 +449,11 @@ def test_async_link_pushes_through_the_engines_event_loop():
         assert torch.equal(store.tensors["b"], torch.ones(2, 3))
     commit_at = fake.calls.index(f"version:{report.update_id}")
     assert fake.calls[commit_at - 2 : commit_at + 3] == [
-        "pause:wait", "colosync_handle", f"version:{report.update_id}", "reset_prefix_cache", "resume",
+        "pause:wait",
+        "colosync_handle",
+        f"version:{report.update_id}",
+        "reset_prefix_cache",
+        "resume",
     ]
 
 
@@ -473,8 +499,11 @@ def _fake_target(manager):
     model = SimpleNamespace(packed_modules_mapping=_FakeLoraManager.packed_modules_mapping)
     worker = SimpleNamespace(
         vllm_config=SimpleNamespace(
-            model_config=SimpleNamespace(dtype=torch.float32, hf_config=config, get_vocab_size=lambda: config.vocab_size),
-            lora_config=SimpleNamespace(max_lora_rank=16, lora_dtype=torch.float32)),
+            model_config=SimpleNamespace(
+                dtype=torch.float32, hf_config=config, get_vocab_size=lambda: config.vocab_size
+            ),
+            lora_config=SimpleNamespace(max_lora_rank=16, lora_dtype=torch.float32),
+        ),
         model_runner=SimpleNamespace(get_model=lambda: model, lora_manager=SimpleNamespace(_adapter_manager=manager)),
     )
     return VllmTarget(worker)
@@ -487,8 +516,9 @@ def test_lora_commit_counts_what_vllm_placed_and_reports_a_shortfall():
     a = torch.zeros(8, 64)
     # The manifest names q, k, v and o of layer 0 (4 modules); vLLM packed q and v into qkv_proj
     # but lost k, and it has no slot for o_proj (a module it does not know).
-    lora = _FakeLora({f"{attn}.qkv_proj": SimpleNamespace(lora_a=[a, None, a]),
-                      f"{attn}.o_proj": SimpleNamespace(lora_a=a)})
+    lora = _FakeLora(
+        {f"{attn}.qkv_proj": SimpleNamespace(lora_a=[a, None, a]), f"{attn}.o_proj": SimpleNamespace(lora_a=a)}
+    )
     manager = _FakeLoraManager([f"{attn}.qkv_proj", "model.layers.0.mlp.down_proj"])
     target = _fake_target(manager)
     assert target.commit(_PreparedLora(lora, expected=4), update_id=5) == Changes(changed=2, expected=4)
@@ -568,9 +598,8 @@ def test_link_verifies_a_probe_itself_and_fails_closed_when_it_cannot_revert():
         assert commits == [Commit(report.update_id)], "the workers must not see the probe"
         assert probed.acks[-1].delivery.max_deviation == 0.0 and link.serving
         fake.logprob = -1.25  # now the engine computes something else than the trainer
-        with probing(sender, probe):
-            with pytest.raises(DeliveryError, match=r"0\.25 at prompt 0 token 0.*fails closed"):
-                sender.push([("a", torch.zeros(3))])
+        with probing(sender, probe), pytest.raises(DeliveryError, match=r"0\.25 at prompt 0 token 0.*fails closed"):
+            sender.push([("a", torch.zeros(3))])
         assert [m for m in fake.seen if isinstance(m, Revert)] == [Revert(report.update_id + 1, fake.seen[-2].reason)]
         assert not link.serving
         with pytest.raises(FailedClosedError, match="push a good update"):
@@ -611,8 +640,7 @@ def test_a_hosted_engine_is_verified_once_by_its_host():
     from colosync.engines.host import EngineHost, LinkTransactions
 
     sent = []
-    link = SimpleNamespace(submit=lambda r: sent.append(r) or SimpleNamespace(wait=lambda: Ack(7)),
-                           close=lambda: None)
+    link = SimpleNamespace(submit=lambda r: sent.append(r) or SimpleNamespace(wait=lambda: Ack(7)), close=lambda: None)
 
     class Scorer:
         requests, replies = (Score,), (Scores,)
@@ -652,10 +680,11 @@ def vllm_score(llm, prompts, completions, lora=None):
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
     rows = []
-    for prompt, completion in zip(prompts, completions):
-        [out] = llm.generate(TokensPrompt(prompt_token_ids=list(prompt) + list(completion)), params,
-                             lora_request=lora, use_tqdm=False)
-        rows.append([step[t].logprob for step, t in zip(out.prompt_logprobs[len(prompt):], completion)])
+    for prompt, completion in zip(prompts, completions, strict=False):
+        [out] = llm.generate(
+            TokensPrompt(prompt_token_ids=list(prompt) + list(completion)), params, lora_request=lora, use_tqdm=False
+        )
+        rows.append([step[t].logprob for step, t in zip(out.prompt_logprobs[len(prompt) :], completion, strict=False)])
     return rows
 
 
@@ -681,8 +710,10 @@ def tied(vllm_tied_llm, vllm_tied_model_dir):
 
 def test_full_update_of_a_tied_embedding_reaches_the_lm_head(tied):
     """vLLM's CPU backend prepacks the lm_head GEMM at load; a reload must re-pack the tied head too."""
-    assert max_diff(vllm_score(tied.llm, TIED_PROMPTS, tied.completions),
-                    score(tied.base, TIED_PROMPTS, tied.completions)) <= TOL
+    assert (
+        max_diff(vllm_score(tied.llm, TIED_PROMPTS, tied.completions), score(tied.base, TIED_PROMPTS, tied.completions))
+        <= TOL
+    )
     updated = _scaled(tied.base, 1.1)
     tied.sender.push(updated.named_parameters())  # lm_head.weight is not among them: it is the embedding
     got = vllm_score(tied.llm, TIED_PROMPTS, tied.completions)
@@ -695,8 +726,10 @@ def test_tied_state_dict_with_lm_head_is_accepted_and_counted(tied):
     updated = _scaled(tied.base, 1.2)
     state = updated.state_dict()
     assert "lm_head.weight" in state
-    with probing(tied.sender, Probe(TIED_PROMPTS, tied.completions, score(updated, TIED_PROMPTS, tied.completions),
-                                    tolerance=TOL)) as link:
+    with probing(
+        tied.sender,
+        Probe(TIED_PROMPTS, tied.completions, score(updated, TIED_PROMPTS, tied.completions), tolerance=TOL),
+    ) as link:
         tied.sender.push(list(state.items()))
     delivery = link.acks[-1].delivery
     assert delivery.changed == delivery.expected == vllm_layers(updated.named_parameters())

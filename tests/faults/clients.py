@@ -6,13 +6,17 @@ import hashlib
 import hmac
 import socket
 import struct
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from colosync.engines.config import EngineAddress
 
 HEADER = struct.Struct("!I")
 
 
-def raw_client(address, authenticate: bool = True) -> socket.socket:  # noqa: ANN001 - an EngineAddress
+def raw_client(address: EngineAddress, authenticate: bool = True) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     sock.connect(address.path)

@@ -26,7 +26,7 @@ def shm_segments() -> list[str]:
 
 
 class FaultEngine:
-    def __init__(self, engine, model_dir: str) -> None:  # noqa: ANN001
+    def __init__(self, engine, model_dir: str) -> None:
         self.engine = engine
         self.model_dir = model_dir
         self.scales = {"base": 1.0, "new": 1.1}  # a full update to either: every push switches the served version
@@ -39,7 +39,7 @@ class FaultEngine:
         proc = psutil.Process(self.engine.pid)
         return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
 
-    def status(self):  # noqa: ANN201
+    def status(self):
         from colosync.wire.protocol import Status
 
         return self.engine.call(Status())
@@ -78,8 +78,15 @@ def start_fault_engine(model_dir: str, device: str) -> FaultEngine:
     from colosync.engines.process import EngineConfig, EngineProcess
     from colosync.sync.sender import Sender
 
-    config = EngineConfig(engine="hf", model_dir=model_dir, device=device, max_lora_rank=16, timeout_s=30.0,
-                          auth_timeout_s=1.0, message_timeout_s=1.0)
+    config = EngineConfig(
+        engine="hf",
+        model_dir=model_dir,
+        device=device,
+        max_lora_rank=16,
+        timeout_s=30.0,
+        auth_timeout_s=1.0,
+        message_timeout_s=1.0,
+    )
     engine = EngineProcess(config)
     fault = FaultEngine(engine, model_dir)
     transport = "cuda_ipc" if device == "cuda" else "shm"

@@ -22,21 +22,21 @@ import msgspec
 class KillAt:
     """A Link that forwards to ``inner`` and kills this process at ``point``."""
 
-    def __init__(self, inner, point: str, stages: int) -> None:  # noqa: ANN001
+    def __init__(self, inner, point: str, stages: int) -> None:
         self.inner = inner
         self.when, self.kind, index = point.split(":")
-        self.index = {"last": stages - 1, "mid": stages // 2}.get(index, None)
+        self.index = {"last": stages - 1, "mid": stages // 2}.get(index)
         if self.index is None:
             self.index = int(index)
         self.seen: dict[str, int] = {}
 
-    def _hit(self, request) -> bool:  # noqa: ANN001
+    def _hit(self, request) -> bool:
         name = type(request).__name__
         count = self.seen.get(name, 0)
         self.seen[name] = count + 1
         return name == self.kind and count == self.index
 
-    def submit(self, request):  # noqa: ANN001, ANN201
+    def submit(self, request):
         hit = self._hit(request)
         if hit and self.when == "before":
             os.kill(os.getpid(), signal.SIGKILL)

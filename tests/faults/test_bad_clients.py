@@ -15,7 +15,8 @@ from colosync.errors import EngineBusyError
 from colosync.wire.protocol import Status
 from tests.faults.clients import HEADER, closed_by_engine, raw_client, send
 
-def answered_promptly(fault_engine, within_s: float = 1.0) -> None:  # noqa: ANN001
+
+def answered_promptly(fault_engine, within_s: float = 1.0) -> None:
     """A fresh, well-behaved client connects and gets a Status reply within ``within_s``."""
     started = time.monotonic()
     link = fault_engine.engine.connect("bystander")

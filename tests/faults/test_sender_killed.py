@@ -38,20 +38,37 @@ POINTS = [
     ("replied:Commit:0", True, True),  # committed, killed before it could report
 ]
 
-CPU_TRANSPORTS = [name for name in transports.names() if transports.sender_class(name).available(torch.device("cpu"))[0]]
+CPU_TRANSPORTS = [
+    name for name in transports.names() if transports.sender_class(name).available(torch.device("cpu"))[0]
+]
 
 
-def kill_at(fault_engine, transport: str, device: str, point: str, may_commit: bool, must_commit: bool) -> None:  # noqa: ANN001
+def kill_at(fault_engine, transport: str, device: str, point: str, may_commit: bool, must_commit: bool) -> None:
     before = fault_engine.healthy({"base", "new"})
     target = "new" if before == "base" else "base"
     address = msgspec.msgpack.encode(fault_engine.engine.address).hex()
     child = subprocess.run(
-        [sys.executable, "-m", "tests.faults.killer", address, point, transport, fault_engine.model_dir,
-         str(fault_engine.scales[target]), device],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))), capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "tests.faults.killer",
+            address,
+            point,
+            transport,
+            fault_engine.model_dir,
+            str(fault_engine.scales[target]),
+            device,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     died = time.monotonic()
-    assert child.returncode == -9, f"the child was not killed at {point} (exit {child.returncode}):\n{child.stderr[-2000:]}"
+    assert child.returncode == -9, (
+        f"the child was not killed at {point} (exit {child.returncode}):\n{child.stderr[-2000:]}"
+    )
     allowed = {before, target} if may_commit else {before}
     if must_commit:
         allowed = {target}

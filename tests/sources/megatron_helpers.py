@@ -68,8 +68,13 @@ def free_port() -> int:
 def _init_rank(rank: int, world: int, port: int, backend: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -154,7 +159,7 @@ class World:
         return [results[r] for r in range(self.size)]
 
     def close(self, kill: bool = False) -> None:
-        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+        for p, q in zip(self._procs, getattr(self, "_tasks", []), strict=False):
             if not kill and p.is_alive():
                 q.put(None)
         for p in self._procs:
@@ -165,7 +170,9 @@ class World:
         self._procs = []
 
 
-def run_world(target: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo", timeout_s: float = 240.0) -> list[Any]:
+def run_world(
+    target: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo", timeout_s: float = 240.0
+) -> list[Any]:
     """Run ``target(rank, world, *args)`` once on a fresh world of ``world`` ranks."""
     w = World(world, backend)
     try:
@@ -181,8 +188,10 @@ def megatron_cpu_shims() -> None:
     """Let Megatron-core's forward run on CPU in this process (see the module docstring)."""
     from megatron.core import tensor_parallel
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda name=None: contextlib.nullcontext()  # type: ignore[method-assign]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # a CPU shim, not torch's signature
+    # The RNG tracker's fork is a CUDA-state context manager; on CPU a no-op one.
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda name=None: contextlib.nullcontext()  # type: ignore[method-assign]  # a CPU shim
 
 
 def init_megatron(tp: int, pp: int) -> None:
@@ -279,8 +288,9 @@ def _linear(rows: int, cols: int, dtype: torch.dtype) -> torch.nn.Linear:
     return lin
 
 
-def attach_lora(model: torch.nn.Module, rank: int, alpha: float, convention: Convention,
-                dtype: torch.dtype = torch.float32) -> list[str]:
+def attach_lora(
+    model: torch.nn.Module, rank: int, alpha: float, convention: Convention, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Add a LoRA to every linear_qkv/linear_proj/linear_fc1/linear_fc2; returns the module names.
 
     Shapes are this rank's shards; values are zero until loaded (``load_megatron_tensors``).
@@ -320,7 +330,9 @@ def load_megatron_tensors(model: torch.nn.Module, tensors: Mapping[Any, torch.Te
     return len(tensors)
 
 
-def local_shards(ctx: Any, stage: int, tp_rank: int, hf: Mapping[str, torch.Tensor], pad: torch.Tensor) -> dict[Any, torch.Tensor]:
+def local_shards(
+    ctx: Any, stage: int, tp_rank: int, hf: Mapping[str, torch.Tensor], pad: torch.Tensor
+) -> dict[Any, torch.Tensor]:
     """This rank's Megatron shards of every planned tensor, from HF/PEFT tensors."""
     from colosync.sources.megatron_layout import plan, shard, to_megatron
 
@@ -334,7 +346,9 @@ def local_shards(ctx: Any, stage: int, tp_rank: int, hf: Mapping[str, torch.Tens
 # -- HF / PEFT reference --------------------------------------------------------------------
 
 
-def make_reference(geom: Geometry, lora_rank: int, lora_alpha: float, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+def make_reference(
+    geom: Geometry, lora_rank: int, lora_alpha: float, seed: int = 0
+) -> dict[str, dict[str, torch.Tensor]]:
     """A seeded HF Llama plus a PEFT LoRA whose fused parts share lora_A (Megatron's layout).
 
     Returns ``{"full": HF state dict, "lora": PEFT adapter state dict}``.
@@ -346,8 +360,11 @@ def make_reference(geom: Geometry, lora_rank: int, lora_alpha: float, seed: int 
 
     torch.manual_seed(seed)
     config = tiny_llama_config(
-        vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=geom.num_layers,
-        num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
+        vocab_size=geom.vocab_size,
+        hidden_size=geom.hidden_size,
+        num_hidden_layers=geom.num_layers,
+        num_attention_heads=geom.num_heads,
+        num_key_value_heads=geom.num_query_groups,
         intermediate_size=geom.ffn_hidden_size,
     )
     config.rms_norm_eps = geom.rms_eps
@@ -384,8 +401,11 @@ def hf_llama(geom: Geometry, full: Mapping[str, torch.Tensor], dtype: torch.dtyp
     from colosync.demo.models import tiny_llama_config
 
     config = tiny_llama_config(
-        vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=geom.num_layers,
-        num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
+        vocab_size=geom.vocab_size,
+        hidden_size=geom.hidden_size,
+        num_hidden_layers=geom.num_layers,
+        num_attention_heads=geom.num_heads,
+        num_key_value_heads=geom.num_query_groups,
         intermediate_size=geom.ffn_hidden_size,
     )
     config.rms_norm_eps = geom.rms_eps
@@ -405,7 +425,6 @@ def close(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
 
 
-
 def module_from_named(named: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     """A bare module tree whose ``named_parameters()`` are exactly ``named`` (single-process tests)."""
     root = torch.nn.Module()
@@ -420,7 +439,9 @@ def module_from_named(named: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def megatron_named(ctx: Any, hf: Mapping[str, torch.Tensor], pad: torch.Tensor, convention: Convention = "peft") -> dict[str, torch.Tensor]:
+def megatron_named(
+    ctx: Any, hf: Mapping[str, torch.Tensor], pad: torch.Tensor, convention: Convention = "peft"
+) -> dict[str, torch.Tensor]:
     """TP=1, PP=1 Megatron (local spec) parameter names and tensors for ``ctx``'s plan, from HF/PEFT."""
     from colosync.sources.megatron_layout import Role, plan, to_megatron
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from colosync.sync.target import EngineTarget
+
 from megatron_helpers import (
     ALL_TARGETS,
     Convention,
@@ -26,8 +28,6 @@ from megatron_helpers import (
     vocab_pad,
 )
 
-from colosync.sync.target import EngineTarget
-
 
 class RecordingTarget(EngineTarget):
     """An EngineTarget that keeps what it was sent, for exact comparison."""
@@ -36,23 +36,26 @@ class RecordingTarget(EngineTarget):
         from colosync.sync.target import ModelSpec, ParamSpec
 
         params = {n: ParamSpec(tuple(t.shape), t.dtype) for n, t in full.items()}
-        linears = {n.removesuffix(".weight"): (t.shape[1], t.shape[0]) for n, t in full.items()
-                   if t.dim() == 2 and "embed_tokens" not in n}
+        linears = {
+            n.removesuffix(".weight"): (t.shape[1], t.shape[0])
+            for n, t in full.items()
+            if t.dim() == 2 and "embed_tokens" not in n
+        }
         self.spec = ModelSpec(params, linears, max_lora_rank, torch.float32)
         self.manifests: list[Any] = []
         self.committed: dict[str, torch.Tensor] = {}
 
-    def model_spec(self):  # noqa: ANN201
+    def model_spec(self):
         return self.spec
 
-    def prepare(self, manifest, tensors):  # noqa: ANN001, ANN201
+    def prepare(self, manifest, tensors):
         self.manifests.append(manifest)
         return {n: t.clone() for n, t in tensors.items()}
 
-    def commit(self, prepared, update_id):  # noqa: ANN001
+    def commit(self, prepared, update_id):
         self.committed = prepared
 
-    def discard(self, prepared):  # noqa: ANN001
+    def discard(self, prepared):
         pass
 
 
@@ -62,7 +65,7 @@ class FailingLink:
     def __init__(self, inner: Any, fail_at_stage: int) -> None:
         self.inner, self.fail_at, self.stages = inner, fail_at_stage, 0
 
-    def submit(self, request):  # noqa: ANN001, ANN201
+    def submit(self, request):
         from colosync.errors import EngineError
         from colosync.sync.link import Done
         from colosync.wire.protocol import Stage
@@ -80,8 +83,8 @@ class FailingLink:
 def _setup(tp: int, pp: int, ref: dict[str, Any], convention: Convention):
     from megatron.core import parallel_state
 
-    from colosync.wire.manifest import LoraSpec
     from colosync.sources.megatron_layout import ConversionContext
+    from colosync.wire.manifest import LoraSpec
 
     init_megatron(tp, pp)
     geom = Geometry()
@@ -110,12 +113,13 @@ def _push(source: Any, link: Any, bucket_bytes: int) -> Any:
         return source.push(sender)
 
 
-def exactness_worker(rank: int, world: int, tp: int, pp: int, ref_path: str, convention: Convention,
-                     bucket_sizes: list[int]) -> dict[str, Any]:
+def exactness_worker(
+    rank: int, world: int, tp: int, pp: int, ref_path: str, convention: Convention, bucket_sizes: list[int]
+) -> dict[str, Any]:
     """Push LoRA and full weights at every bucket size; compare with the reference exactly."""
+    from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
-    from colosync.sources.megatron import MegatronSource, ParallelGroups
 
     ref = torch.load(ref_path, weights_only=True)
     geom, model, ctx_lora, ctx_full, stage, tp_rank, params = _setup(tp, pp, ref, convention)
@@ -129,8 +133,13 @@ def exactness_worker(rank: int, world: int, tp: int, pp: int, ref_path: str, con
             receiver = Receiver(target) if target else None
             link = LocalLink(receiver) if receiver else None
             report = _push(source, link, bucket_bytes)
-            record = {"kind": ctx.kind, "bucket_bytes": bucket_bytes, "is_sender": source.is_sender,
-                      "stats": dataclasses.asdict(source.stats), "max_local_shard": local_bytes}
+            record = {
+                "kind": ctx.kind,
+                "bucket_bytes": bucket_bytes,
+                "is_sender": source.is_sender,
+                "stats": dataclasses.asdict(source.stats),
+                "max_local_shard": local_bytes,
+            }
             if source.is_sender:
                 receiver.close()
                 record.update(_check_received(target, expected, ctx, report))
@@ -155,7 +164,9 @@ def _mine(ctx: Any, stage: int) -> list[Any]:
     return [it for it in plan(ctx) if it.stage == stage]
 
 
-def _check_received(target: RecordingTarget, expected: dict[str, torch.Tensor], ctx: Any, report: Any) -> dict[str, Any]:
+def _check_received(
+    target: RecordingTarget, expected: dict[str, torch.Tensor], ctx: Any, report: Any
+) -> dict[str, Any]:
     """On the sender: the engine got exactly the reference, and every bucket carries the context."""
     got = target.committed
     assert list(got) == [name for name, _, _ in _specs(ctx)], "the engine saw tensors out of plan order"
@@ -172,9 +183,13 @@ def _check_received(target: RecordingTarget, expected: dict[str, torch.Tensor], 
                 assert rank_dim == manifest.lora.rank == ctx.lora.rank, (bucket, meta.name, meta.shape)
     else:
         assert manifest.lora is None
-    return {"tensors": len(manifest.tensors), "buckets": len(manifest.bucket_sizes), "update_id": report.update_id,
-            "manifest_rank": manifest.lora.rank if manifest.lora else None,
-            "manifest_alpha": manifest.lora.alpha if manifest.lora else None}
+    return {
+        "tensors": len(manifest.tensors),
+        "buckets": len(manifest.bucket_sizes),
+        "update_id": report.update_id,
+        "manifest_rank": manifest.lora.rank if manifest.lora else None,
+        "manifest_alpha": manifest.lora.alpha if manifest.lora else None,
+    }
 
 
 def _specs(ctx: Any) -> list[Any]:
@@ -192,16 +207,20 @@ def _laziness(model: Any, ctx: Any, groups: Any) -> dict[str, int]:
     first = next(stream, None)
     at_first = source.stats.items
     rest = sum(1 for _ in stream)
-    return {"at_first": at_first if first is not None else -1, "total_items": source.stats.items,
-            "yielded": (first is not None) + rest, "is_sender": source.is_sender}
+    return {
+        "at_first": at_first if first is not None else -1,
+        "total_items": source.stats.items,
+        "yielded": (first is not None) + rest,
+        "is_sender": source.is_sender,
+    }
 
 
 def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]) -> dict[str, Any]:
     """The engine fails mid-update: every rank raises, nobody hangs, and the next push works."""
     from colosync.errors import ColosyncError
+    from colosync.sources.megatron import MegatronSource
     from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
-    from colosync.sources.megatron import MegatronSource
 
     source = MegatronSource(model, ctx, groups)
     target = RecordingTarget(ref["full"]) if source.is_sender else None
@@ -226,9 +245,9 @@ def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]
 
 
 def _push_from_stage(model: Any, ctx: Any, groups: Any, ref: dict[str, Any], sender_stage: int) -> dict[str, Any]:
+    from colosync.sources.megatron import MegatronSource
     from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
-    from colosync.sources.megatron import MegatronSource
 
     source = MegatronSource(model, ctx, groups, sender_stage=sender_stage)
     if not source.is_sender:
@@ -239,7 +258,8 @@ def _push_from_stage(model: Any, ctx: Any, groups: Any, ref: dict[str, Any], sen
     _push(source, LocalLink(receiver), 4096)
     receiver.close()
     equal = set(target.committed) == set(ref["lora"]) and all(
-        torch.equal(target.committed[n], t) for n, t in ref["lora"].items())
+        torch.equal(target.committed[n], t) for n, t in ref["lora"].items()
+    )
     return {"is_sender": True, "equal": equal}
 
 
@@ -255,13 +275,17 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
     import peft
     from megatron.core import parallel_state
 
-    from colosync.wire.manifest import LoraSpec
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sources.megatron_layout import ConversionContext, plan, shard
+    from colosync.wire.manifest import LoraSpec
 
     dtype = getattr(torch, dtype_name)
     init_megatron(tp, 1)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -301,8 +325,9 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
     hf = hf_llama(geom, full, dtype, str(device))
     with torch.no_grad():
         hf_base = hf(input_ids=ids.to(device)).logits.float().cpu()
-    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=lora_rank, lora_alpha=alpha, target_modules=list(ALL_TARGETS),
-                                                         lora_dropout=0.0))
+    peft_model = peft.get_peft_model(
+        hf, peft.LoraConfig(r=lora_rank, lora_alpha=alpha, target_modules=list(ALL_TARGETS), lora_dropout=0.0)
+    )
     result = peft.set_peft_model_state_dict(peft_model, adapter)
     assert not [k for k in result.unexpected_keys if "lora_" in k], result.unexpected_keys
     peft_model = peft_model.to(device=device, dtype=dtype).eval()
@@ -321,8 +346,9 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
 # -- end to end -----------------------------------------------------------------------------
 
 
-def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: bytes,
-                  model_geometry: dict[str, Any]) -> dict[str, Any]:
+def engine_worker(
+    rank: int, world: int, tp: int, ref_path: str, address_bytes: bytes, model_geometry: dict[str, Any]
+) -> dict[str, Any]:
     """A TP=``tp`` Megatron model with a Megatron-layout LoRA, pushed into a running hf engine.
 
     With more ranks than ``tp`` there are several data-parallel replicas; only replica 0's
@@ -332,10 +358,10 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
     from megatron.core import parallel_state
 
     from colosync.engines.process import EngineAddress, connect
-    from colosync.wire.manifest import LoraSpec
-    from colosync.sync.sender import Sender
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sources.megatron_layout import ConversionContext
+    from colosync.sync.sender import Sender
+    from colosync.wire.manifest import LoraSpec
 
     ref = torch.load(ref_path, weights_only=True)
     geom = Geometry(**model_geometry)
@@ -350,8 +376,11 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     hf = {**ref["full"], **ref["lora"]}
     load_megatron_tensors(model, local_shards(ctx, 0, tp_rank, hf, vocab_pad(geom)), ctx.naming)
-    load_megatron_tensors(model, local_shards(dataclasses.replace(ctx, kind="full", lora=None), 0, tp_rank, hf,
-                                              vocab_pad(geom)), ctx.naming)
+    load_megatron_tensors(
+        model,
+        local_shards(dataclasses.replace(ctx, kind="full", lora=None), 0, tp_rank, hf, vocab_pad(geom)),
+        ctx.naming,
+    )
     source = MegatronSource(model, ctx, ParallelGroups.from_megatron())
     if not source.is_sender:
         source.push(None)
@@ -362,5 +391,9 @@ def engine_worker(rank: int, world: int, tp: int, ref_path: str, address_bytes: 
             report = source.push(sender)
     finally:
         link.close()
-    return {"is_sender": True, "update_id": report.update_id, "tensors": report.tensors,
-            "yielded": source.stats.tensors_yielded}
+    return {
+        "is_sender": True,
+        "update_id": report.update_id,
+        "tensors": report.tensors,
+        "yielded": source.stats.tensors_yielded,
+    }

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import Geometry, make_reference  # noqa: E402
-from megatron_workers import exactness_worker  # noqa: E402
+from megatron_helpers import Geometry, make_reference
+from megatron_workers import exactness_worker
 
 RANK, ALPHA = 6, 9.0  # deliberately not PEFT's defaults (8, 8)
 BUCKETS = [64, 2048, 1 << 16, 1 << 30]  # 64 B: every tensor is its own bucket; 1 GiB: one bucket

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import run_world  # noqa: E402
-from megatron_workers import forward_worker  # noqa: E402
+from megatron_helpers import run_world
+from megatron_workers import forward_worker
 
 # relative L2 error of the logits: fp32 agrees to rounding; bf16 to bf16 rounding of a
 # 2-layer model. A layout error gives errors of order 1 (the LoRA alone moves them ~10%+).

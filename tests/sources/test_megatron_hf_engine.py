@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import ALL_TARGETS, Geometry, share_fused_lora_a  # noqa: E402
-from megatron_workers import engine_worker  # noqa: E402
+from megatron_helpers import ALL_TARGETS, Geometry, share_fused_lora_a
+from megatron_workers import engine_worker
 
 RANK, ALPHA = 4, 10.0
 PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
@@ -21,15 +21,20 @@ PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
 def test_tp2_megatron_lora_through_sender_matches_peft_greedy(cpu_world, tmp_path):
     from peft import get_peft_model_state_dict
 
+    from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
     from colosync.engines.hf import Generate
     from colosync.engines.process import EngineConfig, EngineProcess
-    from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 
     geom = Geometry(num_layers=2)
     model_dir = make_tiny_llama(
-        tmp_path / "llama", seed=4, vocab_size=geom.vocab_size, hidden_size=geom.hidden_size,
-        num_hidden_layers=geom.num_layers, num_attention_heads=geom.num_heads,
-        num_key_value_heads=geom.num_query_groups, intermediate_size=geom.ffn_hidden_size,
+        tmp_path / "llama",
+        seed=4,
+        vocab_size=geom.vocab_size,
+        hidden_size=geom.hidden_size,
+        num_hidden_layers=geom.num_layers,
+        num_attention_heads=geom.num_heads,
+        num_key_value_heads=geom.num_query_groups,
+        intermediate_size=geom.ffn_hidden_size,
     )
     model = load_model(model_dir)
     full = {k: v.clone() for k, v in model.state_dict().items()}
@@ -43,13 +48,14 @@ def test_tp2_megatron_lora_through_sender_matches_peft_greedy(cpu_world, tmp_pat
 
     with EngineProcess(EngineConfig(engine="hf", model_dir=str(model_dir), max_lora_rank=16)) as engine:
         assert engine.call(Generate(prompts=PROMPTS, max_new_tokens=8)).tokens == base_tokens
-        ranks = cpu_world.run(engine_worker, 2, str(ref_path), msgspec.msgpack.encode(engine.address),
-                              dataclasses.asdict(geom))
+        ranks = cpu_world.run(
+            engine_worker, 2, str(ref_path), msgspec.msgpack.encode(engine.address), dataclasses.asdict(geom)
+        )
         senders = [r for r in ranks if r["is_sender"]]
         assert len(senders) == 1, "one rank per engine sends"
         assert all(r["yielded"] == 0 for r in ranks if not r["is_sender"])
         got = engine.call(Generate(prompts=PROMPTS, max_new_tokens=8))
     assert got.update_id == senders[0]["update_id"]
     assert got.tokens == want_tokens
-    for got_lp, want_lp in zip(got.logprobs, want_logprobs):
+    for got_lp, want_lp in zip(got.logprobs, want_logprobs, strict=False):
         assert got_lp == pytest.approx(want_lp, abs=1e-4)

@@ -16,10 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colosync.sync.link import LocalLink
-from colosync.wire.manifest import LoraSpec
-from colosync.sync.receiver import Receiver
-from colosync.sync.sender import Sender
 from colosync.sources import megatron, megatron_layout
 from colosync.sources.megatron import MegatronSource, ParallelGroups
 from colosync.sources.megatron_layout import (
@@ -38,6 +34,11 @@ from colosync.sources.megatron_layout import (
     split_fc1,
     split_qkv,
 )
+from colosync.sync.link import LocalLink
+from colosync.sync.receiver import Receiver
+from colosync.sync.sender import Sender
+from colosync.wire.manifest import LoraSpec
+
 from megatron_helpers import (
     ALL_TARGETS,
     Geometry,
@@ -48,15 +49,27 @@ from megatron_helpers import (
 )
 from megatron_workers import RecordingTarget
 
+DEFAULT_GEOMETRY = Geometry()
 
-def _ctx(geom: Geometry = Geometry(), kind: str = "lora", tp: int = 1, pp: int = 1, **changes) -> ConversionContext:
+
+def _ctx(
+    geom: Geometry = DEFAULT_GEOMETRY, kind: str = "lora", tp: int = 1, pp: int = 1, **changes
+) -> ConversionContext:
     """A context for ``geom``; ``changes`` override fields (``lora`` defaults to rank 6, alpha 9 for kind='lora')."""
     lora = LoraSpec(rank=6, alpha=9.0, target_modules=ALL_TARGETS) if kind == "lora" else None
     fields = dict(
-        num_layers=geom.num_layers, hidden_size=geom.hidden_size, num_attention_heads=geom.num_heads,
-        num_query_groups=geom.num_query_groups, head_dim=geom.head_dim, ffn_hidden_size=geom.ffn_hidden_size,
-        vocab_size=geom.vocab_size, padded_vocab_size=geom.padded_vocab_size, kind=kind, lora=lora,
-        tp_size=tp, pp_size=pp,
+        num_layers=geom.num_layers,
+        hidden_size=geom.hidden_size,
+        num_attention_heads=geom.num_heads,
+        num_query_groups=geom.num_query_groups,
+        head_dim=geom.head_dim,
+        ffn_hidden_size=geom.ffn_hidden_size,
+        vocab_size=geom.vocab_size,
+        padded_vocab_size=geom.padded_vocab_size,
+        kind=kind,
+        lora=lora,
+        tp_size=tp,
+        pp_size=pp,
     )
     fields.update(changes)
     return ConversionContext(**fields)
@@ -64,23 +77,27 @@ def _ctx(geom: Geometry = Geometry(), kind: str = "lora", tp: int = 1, pp: int =
 
 # -- naming table ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "key"), [
-    ("decoder.layers.3.self_attention.linear_qkv.weight", ParamKey(Slot.QKV, Role.WEIGHT, 3)),
-    ("module.module.decoder.layers.0.mlp.linear_fc2.weight", ParamKey(Slot.FC2, Role.WEIGHT, 0)),
-    ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", ParamKey(Slot.INPUT_NORM, Role.WEIGHT, 1)),
-    ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 1)),
-    ("decoder.layers.2.pre_mlp_layernorm.weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 2)),
-    # PEFT's LoraParallelLinear on Megatron
-    ("decoder.layers.0.self_attention.linear_proj.base_layer.weight", ParamKey(Slot.PROJ, Role.WEIGHT, 0)),
-    ("decoder.layers.0.self_attention.linear_proj.lora_A.default.weight", ParamKey(Slot.PROJ, Role.LORA_A, 0)),
-    ("decoder.layers.0.self_attention.linear_proj.lora_B.weight", ParamKey(Slot.PROJ, Role.LORA_B, 0)),
-    # NeMo / Megatron-Bridge
-    ("decoder.layers.5.mlp.linear_fc1.to_wrap.weight", ParamKey(Slot.FC1, Role.WEIGHT, 5)),
-    ("decoder.layers.5.mlp.linear_fc1.adapter.linear_in.weight", ParamKey(Slot.FC1, Role.LORA_A, 5)),
-    ("decoder.layers.5.mlp.linear_fc1.adapter.linear_out.weight", ParamKey(Slot.FC1, Role.LORA_B, 5)),
-    ("embedding.word_embeddings.weight", ParamKey(Slot.EMBEDDING, Role.WEIGHT)),
-    ("output_layer.weight", ParamKey(Slot.OUTPUT, Role.WEIGHT)),
-])
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("decoder.layers.3.self_attention.linear_qkv.weight", ParamKey(Slot.QKV, Role.WEIGHT, 3)),
+        ("module.module.decoder.layers.0.mlp.linear_fc2.weight", ParamKey(Slot.FC2, Role.WEIGHT, 0)),
+        ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", ParamKey(Slot.INPUT_NORM, Role.WEIGHT, 1)),
+        ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 1)),
+        ("decoder.layers.2.pre_mlp_layernorm.weight", ParamKey(Slot.POST_NORM, Role.WEIGHT, 2)),
+        # PEFT's LoraParallelLinear on Megatron
+        ("decoder.layers.0.self_attention.linear_proj.base_layer.weight", ParamKey(Slot.PROJ, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.linear_proj.lora_A.default.weight", ParamKey(Slot.PROJ, Role.LORA_A, 0)),
+        ("decoder.layers.0.self_attention.linear_proj.lora_B.weight", ParamKey(Slot.PROJ, Role.LORA_B, 0)),
+        # NeMo / Megatron-Bridge
+        ("decoder.layers.5.mlp.linear_fc1.to_wrap.weight", ParamKey(Slot.FC1, Role.WEIGHT, 5)),
+        ("decoder.layers.5.mlp.linear_fc1.adapter.linear_in.weight", ParamKey(Slot.FC1, Role.LORA_A, 5)),
+        ("decoder.layers.5.mlp.linear_fc1.adapter.linear_out.weight", ParamKey(Slot.FC1, Role.LORA_B, 5)),
+        ("embedding.word_embeddings.weight", ParamKey(Slot.EMBEDDING, Role.WEIGHT)),
+        ("output_layer.weight", ParamKey(Slot.OUTPUT, Role.WEIGHT)),
+    ],
+)
 def test_naming_table_accepts_every_convention(name, key):
     assert classify(name, DEFAULT_NAMING) == key
 
@@ -90,8 +107,9 @@ def test_unknown_names_ask_for_a_naming_rule_and_rules_extend_the_table():
     with pytest.raises(ConversionError, match="NamingRule"):
         classify(name, DEFAULT_NAMING)
     extended = DEFAULT_NAMING + (
-        NamingRule(r"decoder\.layers\.(?P<layer>\d+)\.self_attention\.linear_qkv\.my_lora\.down\.weight", Slot.QKV,
-                   Role.LORA_A),
+        NamingRule(
+            r"decoder\.layers\.(?P<layer>\d+)\.self_attention\.linear_qkv\.my_lora\.down\.weight", Slot.QKV, Role.LORA_A
+        ),
     )
     assert classify(name, extended) == ParamKey(Slot.QKV, Role.LORA_A, 0)
     with pytest.raises(ConversionError, match="bias"):
@@ -115,12 +133,19 @@ def test_qkv_deinterleave_matches_per_head_oracle(g):
     tp, groups_per_rank, heads_per_group, hd, rest = g
     groups = tp * groups_per_rank
     heads = groups * heads_per_group
-    ctx = _ctx(Geometry(hidden_size=heads * hd, num_heads=heads, num_query_groups=groups, ffn_hidden_size=4 * tp),
-               kind="full", tp=tp, padded_vocab_size=256)
+    ctx = _ctx(
+        Geometry(hidden_size=heads * hd, num_heads=heads, num_query_groups=groups, ffn_hidden_size=4 * tp),
+        kind="full",
+        tp=tp,
+        padded_vocab_size=256,
+    )
     q = torch.randn(heads * hd, rest)
     k = torch.randn(groups * hd, rest)
     v = torch.randn(groups * hd, rest)
-    head = lambda t, i: t[i * hd:(i + 1) * hd]  # noqa: E731
+
+    def head(t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[i * hd : (i + 1) * hd]
+
     # Megatron's layout, spelled out: TP rank r holds groups [r*gpr, (r+1)*gpr); each group is
     # its query heads, then its key head, then its value head
     shards = []
@@ -132,7 +157,7 @@ def test_qkv_deinterleave_matches_per_head_oracle(g):
         shards.append(torch.cat(rows))
     gathered = torch.cat(shards)
     got = split_qkv(gathered, ctx)
-    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v), strict=False))
     assert torch.equal(merge_qkv(q, k, v, ctx), gathered)
 
 
@@ -151,6 +176,7 @@ def test_fc1_split_matches_per_shard_oracle(tp, per_rank, rest):
 
 # -- the plan names what HF and PEFT name ----------------------------------------------------
 
+
 def test_plan_names_and_shapes_are_hf_and_peft_s_own():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import LlamaForCausalLM
@@ -158,9 +184,14 @@ def test_plan_names_and_shapes_are_hf_and_peft_s_own():
     from colosync.demo.models import tiny_llama_config
 
     geom = Geometry(num_layers=2)
-    config = tiny_llama_config(vocab_size=geom.vocab_size, hidden_size=geom.hidden_size, num_hidden_layers=2,
-                               num_attention_heads=geom.num_heads, num_key_value_heads=geom.num_query_groups,
-                               intermediate_size=geom.ffn_hidden_size)
+    config = tiny_llama_config(
+        vocab_size=geom.vocab_size,
+        hidden_size=geom.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=geom.num_heads,
+        num_key_value_heads=geom.num_query_groups,
+        intermediate_size=geom.ffn_hidden_size,
+    )
     model = LlamaForCausalLM(config)
     hf = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     assert {n: tuple(s) for n, s, _ in hf_specs(_ctx(geom, kind="full", tp=2))} == hf
@@ -180,14 +211,18 @@ def test_pipeline_stage_offsets_give_global_layers():
 
 # -- the context ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("changes", "match"), [
-    ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))}, "k_proj"),
-    ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "lm_head"))}, "lm_head"),
-    ({"tp_size": 8}, "whole query groups"),
-    ({"padded_vocab_size": 249}, "padded_vocab_size"),
-    ({"pp_size": 3}, "stage_layers"),
-    ({"lora": None}, "LoraSpec"),
-])
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))}, "k_proj"),
+        ({"lora": LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "lm_head"))}, "lm_head"),
+        ({"tp_size": 8}, "whole query groups"),
+        ({"padded_vocab_size": 249}, "padded_vocab_size"),
+        ({"pp_size": 3}, "stage_layers"),
+        ({"lora": None}, "LoraSpec"),
+    ],
+)
 def test_context_rejects_what_would_convert_wrongly(changes, match):
     with pytest.raises(ConversionError, match=match):
         _ctx(**changes)
@@ -200,7 +235,9 @@ def test_context_from_real_transformer_config_rejects_unsupported_architecture()
     ctx = ConversionContext.from_megatron(config, 250, 256, "full", None, False)
     assert (ctx.tp_size, ctx.pp_size, ctx.stage_layers, ctx.head_dim) == (2, 2, (2, 2), 8)
     with pytest.raises(ConversionError, match="add_bias_linear"):
-        ConversionContext.from_megatron(dataclasses.replace(config, add_bias_linear=True), 250, 256, "full", None, False)
+        ConversionContext.from_megatron(
+            dataclasses.replace(config, add_bias_linear=True), 250, 256, "full", None, False
+        )
 
 
 def test_no_kwargs_anywhere_on_the_conversion_path():
@@ -210,7 +247,9 @@ def test_no_kwargs_anywhere_on_the_conversion_path():
         for name, obj in vars(module).items():
             if getattr(obj, "__module__", None) != module.__name__:
                 continue
-            members = [(name, obj)] + ([(f"{name}.{m}", f) for m, f in vars(obj).items()] if inspect.isclass(obj) else [])
+            members = [(name, obj)] + (
+                [(f"{name}.{m}", f) for m, f in vars(obj).items()] if inspect.isclass(obj) else []
+            )
             for qual, fn in members:
                 fn = inspect.unwrap(getattr(fn, "__func__", fn))
                 if inspect.isfunction(fn) and fn.__module__ == module.__name__:
@@ -221,18 +260,25 @@ def test_no_kwargs_anywhere_on_the_conversion_path():
                         continue
                     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
                         offenders.append(f"{module.__name__}.{qual}")
-    assert {"convert", "plan", "split_qkv", "MegatronSource.push", "MegatronSource.tensors",
-            "MegatronSource._bring"} <= inspected
+    assert {
+        "convert",
+        "plan",
+        "split_qkv",
+        "MegatronSource.push",
+        "MegatronSource.tensors",
+        "MegatronSource._bring",
+    } <= inspected
     assert not offenders
 
 
 def test_context_is_immutable():
     ctx = _ctx()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ctx.lora = None  # type: ignore[misc]
+        ctx.lora = None  # type: ignore[misc]  # deliberately assigning to a frozen dataclass
 
 
 # -- the context's journey through the Sender, single process --------------------------------
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -240,8 +286,11 @@ def reference():
 
 
 def _source(ctx: ConversionContext, reference: dict, convention: str = "peft") -> MegatronSource:
-    named = megatron_named(ctx if ctx.kind == "full" else dataclasses.replace(ctx, kind="full", lora=None),
-                           reference["full"], vocab_pad(Geometry()))
+    named = megatron_named(
+        ctx if ctx.kind == "full" else dataclasses.replace(ctx, kind="full", lora=None),
+        reference["full"],
+        vocab_pad(Geometry()),
+    )
     if ctx.kind == "lora":
         named.update(megatron_named(ctx, {**reference["full"], **reference["lora"]}, vocab_pad(Geometry()), convention))
     return MegatronSource(module_from_named(named), ctx, ParallelGroups())
@@ -250,14 +299,17 @@ def _source(ctx: ConversionContext, reference: dict, convention: str = "peft") -
 @settings(max_examples=12, deadline=None)
 @given(bucket_bytes=st.sampled_from([64, 256, 1024, 4096, 1 << 14, 1 << 30]), kind=st.sampled_from(["lora", "full"]))
 def test_context_reaches_every_bucket_and_stream_is_exact(reference, bucket_bytes, kind):
-    ctx = _ctx(Geometry(num_layers=2), kind=kind, lora=None if kind == "full" else LoraSpec(
-        rank=6, alpha=9.0, target_modules=ALL_TARGETS))
+    ctx = _ctx(
+        Geometry(num_layers=2),
+        kind=kind,
+        lora=None if kind == "full" else LoraSpec(rank=6, alpha=9.0, target_modules=ALL_TARGETS),
+    )
     source = _source(ctx, reference)
     target = RecordingTarget(reference["full"])
     begun, flushed = [], []
 
     class Watch(LocalLink):  # what the engine is told: the manifest once, then one Stage per bucket chunk
-        def submit(self, request):  # noqa: ANN001, ANN201
+        def submit(self, request):
             from colosync.wire.protocol import Begin, Stage
 
             if isinstance(request, Begin):

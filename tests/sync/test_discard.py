@@ -28,13 +28,13 @@ class Recording(EngineTarget):
     def model_spec(self) -> ModelSpec:
         return ModelSpec(params=None, lora_modules=None)
 
-    def prepare(self, manifest, tensors):  # noqa: ANN001, ANN201 - the EngineTarget signature
+    def prepare(self, manifest, tensors):
         return ("prepared", manifest.update_id)
 
-    def commit(self, prepared, update_id):  # noqa: ANN001, ANN201
+    def commit(self, prepared, update_id):
         return None
 
-    def discard(self, prepared) -> None:  # noqa: ANN001
+    def discard(self, prepared) -> None:
         self.discarded.append(prepared)
 
 

@@ -66,8 +66,13 @@ class LendingEngine(EngineTarget):
         prepared.clear()
 
 
-def open_rig(lend: str | None = None, policy: ReceiverPolicy | None = None, slot_bytes: int = 1 << 12,
-             device: str = "cpu", transport: str = "shm"):
+def open_rig(
+    lend: str | None = None,
+    policy: ReceiverPolicy | None = None,
+    slot_bytes: int = 1 << 12,
+    device: str = "cpu",
+    transport: str = "shm",
+):
     engine = LendingEngine(lend, device=device)
     receiver = Receiver(engine, device, policy or ReceiverPolicy(timeout_s=30.0))
     return engine, receiver, attach(receiver, slot_bytes, transport)
@@ -119,8 +124,12 @@ def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
-MIXED = [("a", (3, 5), torch.float32), ("b", (7,), torch.bfloat16), ("c", (4, 4), torch.float16),
-         ("d", (9,), torch.float32)]  # several tensors, several dtypes, padding between them
+MIXED = [
+    ("a", (3, 5), torch.float32),
+    ("b", (7,), torch.bfloat16),
+    ("c", (4, 4), torch.float16),
+    ("d", (9,), torch.float32),
+]  # several tensors, several dtypes, padding between them
 WHOLE = [("w", (16, 8), torch.float32)]  # 512 bytes: a bucket that is exactly one tensor
 
 
@@ -158,7 +167,7 @@ def test_lent_tensors_are_filled_straight_from_the_slot(rigs):
     m = manifest(1, MIXED)  # one bucket of four tensors, one chunk
     want = values(3, MIXED)
     push(receiver, transport, m, want, commit=False)
-    assert_equal(dict(zip(want, engine.lent_tensors())), want)  # landed before prepare
+    assert_equal(dict(zip(want, engine.lent_tensors(), strict=False)), want)  # landed before prepare
     assert receiver.buffer_bytes == 0  # no bounce buffer: copied out of the slot itself
     assert list(receiver._inflight.landing.plan.buckets[0].views) == [ViewKey(SLOT, 0)]
 
@@ -386,7 +395,8 @@ def test_staging_of_the_wrong_length_is_refused(lend):
 
 # -- on a GPU: the same strategies, checks deferred to prepare ---------------------------------
 GPU_RIGS = [pytest.param(("shm", lend), id=f"shm-{KINDS[lend]}", marks=pytest.mark.gpu) for lend in LENDS] + [
-    pytest.param(("cuda_ipc", lend), id=f"cuda_ipc-{KINDS[lend]}", marks=pytest.mark.gpu) for lend in LENDS]
+    pytest.param(("cuda_ipc", lend), id=f"cuda_ipc-{KINDS[lend]}", marks=pytest.mark.gpu) for lend in LENDS
+]
 
 
 def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

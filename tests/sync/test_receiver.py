@@ -17,13 +17,13 @@ from colosync.errors import (
     UpdateTimeoutError,
 )
 from colosync.sync.link import LocalLink
-from colosync.wire.bucket import fingerprint, plan_buckets
-from tests.helpers import pack_into
-from colosync.wire.manifest import LoraSpec, UpdateManifest
-from colosync.wire.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.sender import Sender
 from colosync.transports.shm import ShmSender
+from colosync.wire.bucket import fingerprint, plan_buckets
+from colosync.wire.manifest import LoraSpec, UpdateManifest
+from colosync.wire.protocol import Abort, Attach, Begin, Commit, Prepare, Stage
+from tests.helpers import pack_into
 
 
 @pytest.fixture
@@ -141,9 +141,8 @@ def test_sender_aborts_when_its_source_fails(rig):
         raise RuntimeError("trainer crashed while gathering")
 
     receiver.detach()  # the rig's hand-attached transport makes way for a Sender
-    with Sender(LocalLink(receiver), transport="shm") as sender:
-        with pytest.raises(RuntimeError, match="gathering"):
-            sender.push_stream([(n, tuple(t.shape), t.dtype) for n, t in NAMED], broken())
+    with Sender(LocalLink(receiver), transport="shm") as sender, pytest.raises(RuntimeError, match="gathering"):
+        sender.push_stream([(n, tuple(t.shape), t.dtype) for n, t in NAMED], broken())
     assert receiver.in_flight is None and receiver.committed_update_id == 0 and store.tensors == {}
 
 

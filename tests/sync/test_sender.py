@@ -14,8 +14,7 @@ import torch
 
 from colosync import transports
 from colosync.engines.sink import SinkEngine
-from colosync.errors import (ConfigError, EngineBusyError, FingerprintMismatchError, TransportError,
-                             TransportUnavailable)
+from colosync.errors import ConfigError, EngineBusyError, FingerprintMismatchError, TransportError, TransportUnavailable
 from colosync.sync.link import Done, LocalLink
 from colosync.sync.pipeline import SlotPipeline
 from colosync.sync.plan import STAGING, ViewKey
@@ -85,7 +84,7 @@ class _Engine:
         self.sent: list = []
         self.fail = fail or {}
 
-    def submit(self, request) -> _Reply:  # noqa: ANN001
+    def submit(self, request) -> _Reply:
         label = f"S{request.bucket}" if isinstance(request, Stage) else type(request).__name__
         self.events.append(("send", label))
         self.sent.append(request)
@@ -115,13 +114,25 @@ def _ev(text: str) -> list[tuple]:
     ("slots", "chunks", "expected"),
     [
         # One slot: the reply to a chunk's own Stage frees its slot.
-        (1, 3, "send:Begin slot:0 send:S0 read:Begin read:S0 slot:0 send:S1 read:S1 slot:0 "
-               "send:S2 send:Prepare send:Commit read:S2 read:Prepare read:Commit"),
+        (
+            1,
+            3,
+            "send:Begin slot:0 send:S0 read:Begin read:S0 slot:0 send:S1 read:S1 slot:0 "
+            "send:S2 send:Prepare send:Commit read:S2 read:Prepare read:Commit",
+        ),
         # Two slots: reusing chunk u's slot needs the reply to Stage u + 1 (acknowledgements lag by one).
-        (2, 4, "send:Begin slot:0 slot:1 send:S0 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 read:S2 "
-               "slot:1 send:S3 send:Prepare send:Commit read:S3 read:Prepare read:Commit"),
-        (3, 5, "send:Begin slot:0 slot:1 send:S0 slot:2 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 "
-               "read:S2 slot:1 send:S3 send:S4 send:Prepare send:Commit read:S3 read:S4 read:Prepare read:Commit"),
+        (
+            2,
+            4,
+            "send:Begin slot:0 slot:1 send:S0 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 read:S2 "
+            "slot:1 send:S3 send:Prepare send:Commit read:S3 read:Prepare read:Commit",
+        ),
+        (
+            3,
+            5,
+            "send:Begin slot:0 slot:1 send:S0 slot:2 send:S1 read:Begin read:S0 read:S1 slot:0 send:S2 "
+            "read:S2 slot:1 send:S3 send:S4 send:Prepare send:Commit read:S3 read:S4 read:Prepare read:Commit",
+        ),
     ],
     ids=["1-slot", "2-slots", "3-slots"],
 )
@@ -158,8 +169,12 @@ def test_pipeline_reads_exactly_the_replies_the_lag_rule_needs(slots):
 def test_pipeline_holds_one_chunk_back_then_flushes_and_fingerprints_it():
     engine = _Engine()
     flushed: list[int] = []
-    pipe = SlotPipeline(2, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))),
-                        flush=lambda: flushed.append(len(engine.sent)))
+    pipe = SlotPipeline(
+        2,
+        engine.submit,
+        Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))),
+        flush=lambda: flushed.append(len(engine.sent)),
+    )
     pipe.put(Stage(1, 0, 0, 64, pipe.acquire(), None), None, torch.tensor(1234))
     assert [type(r).__name__ for r in engine.sent] == ["Begin"]  # held until the next chunk is written
     pipe.put(Stage(1, 1, 0, 64, pipe.acquire(), None), None, 7)
@@ -185,7 +200,7 @@ class _FailingStageLink(LocalLink):
         super().__init__(receiver)
         self.fail_at, self.stages, self.requests = fail_at, 0, []
 
-    def submit(self, request):  # noqa: ANN001, ANN201
+    def submit(self, request):
         self.requests.append(request)
         if isinstance(request, Stage):
             self.stages += 1
@@ -252,7 +267,7 @@ def test_a_cpu_arena_packs_nothing_and_guards_its_buffer(sink):
         arena = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], "cpu")
         with torch.no_grad():
             torch._foreach_copy_(arena, [t for _, t in named])
-        weights = [(n, a) for (n, _), a in zip(named, arena)]
+        weights = [(n, a) for (n, _), a in zip(named, arena, strict=True)]
         sender.push(weights)
         assert sender._plans.last._views == {}  # the tensors already lived in the slot: no views, no copy
         with torch.no_grad():
@@ -269,14 +284,14 @@ class _Fake(SenderTransport):
 
     name = "fake"
     fail_create = False
-    made: list["_Fake"] = []
+    made: list[_Fake] = []
 
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:
         return True, f"{cls.name} is fine here"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> "_Fake":
+    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> _Fake:
         if cls.fail_create:
             raise TransportError(f"{cls.name}: out of shared memory")
         return cls(slot_bytes, slots)
@@ -326,10 +341,19 @@ class Absent(_Fake):
 def fake_registry(monkeypatch):
     """Registry lines, as a new transport would add them, for the fakes above."""
     here = __name__
-    monkeypatch.setattr(transports, "_REGISTRY", {
-        name: f"{here}:{cls}:{cls}" for name, cls in
-        [("absent", "Absent"), ("broken", "BrokenCreate"), ("refused", "Refused"), ("works", "Works")]
-    })
+    monkeypatch.setattr(
+        transports,
+        "_REGISTRY",
+        {
+            name: f"{here}:{cls}:{cls}"
+            for name, cls in [
+                ("absent", "Absent"),
+                ("broken", "BrokenCreate"),
+                ("refused", "Refused"),
+                ("works", "Works"),
+            ]
+        },
+    )
     _Fake.made.clear()
     yield
 
@@ -356,18 +380,26 @@ def test_auto_passes_over_what_cannot_run_be_created_or_be_opened_and_says_why(f
     assert len(refused) == 1 and refused[0].closed and not refused[0].is_attached  # nothing leaks
     lines = {(r.levelno, r.getMessage()) for r in caplog.records}
     assert (logging.INFO, "transport auto: passed over 'absent': absent needs hardware this machine lacks") in lines
-    assert (logging.WARNING, "transport auto: passed over 'broken': it could not be created: "
-                             "broken: out of shared memory") in lines
-    assert (logging.WARNING, "transport auto: passed over 'refused': the engine could not open it: "
-                             "cudaIpcOpenMemHandle failed: the engine cannot see this GPU") in lines
+    assert (
+        logging.WARNING,
+        "transport auto: passed over 'broken': it could not be created: broken: out of shared memory",
+    ) in lines
+    assert (
+        logging.WARNING,
+        "transport auto: passed over 'refused': the engine could not open it: "
+        "cudaIpcOpenMemHandle failed: the engine cannot see this GPU",
+    ) in lines
     assert (logging.INFO, "transport auto: picked 'works' (works is fine here)") in lines
 
 
-@pytest.mark.parametrize(("name", "error", "match"), [
-    ("absent", TransportUnavailable, "cannot run here: absent needs hardware"),
-    ("broken", TransportError, "out of shared memory"),
-    ("refused", TransportError, "cudaIpcOpenMemHandle failed"),
-])
+@pytest.mark.parametrize(
+    ("name", "error", "match"),
+    [
+        ("absent", TransportUnavailable, "cannot run here: absent needs hardware"),
+        ("broken", TransportError, "out of shared memory"),
+        ("refused", TransportError, "cudaIpcOpenMemHandle failed"),
+    ],
+)
 def test_an_explicit_transport_raises_instead_of_falling_back(fake_registry, name, error, match):
     with pytest.raises(error, match=match):
         transports.attach_first(name, torch.device("cpu"), 4096, 2, attach=_engine_opens)
@@ -385,7 +417,7 @@ def test_the_sender_attaches_through_the_registry_with_its_link(fake_registry, m
     seen: list = []
 
     class _AttachOnly:
-        def submit(self, request):  # noqa: ANN001, ANN201
+        def submit(self, request):
             seen.append(request)
             if isinstance(request, Attach):
                 return Done(_engine_opens(request.transport, request.handle))
@@ -394,8 +426,10 @@ def test_the_sender_attaches_through_the_registry_with_its_link(fake_registry, m
     sender = Sender(_AttachOnly(), transport="auto", bucket_bytes=4096)
     streamer = sender._attach(torch.device("cpu"), None)
     assert isinstance(streamer.transport, Works) and sender.transport is streamer.transport
-    assert [(r.transport, r.handle, r.takeover) for r in seen] == [("refused", b"refused", False),
-                                                                   ("works", b"works", False)]
+    assert [(r.transport, r.handle, r.takeover) for r in seen] == [
+        ("refused", b"refused", False),
+        ("works", b"works", False),
+    ]
     assert sender.transport_log[0] == "picked 'works': works is fine here" and len(sender.transport_log) == 4
     assert sender._claim_update_id(None) == 42  # the Attach reply says where update ids continue
     sender.close()

@@ -9,8 +9,9 @@ from colosync.tools.cli import main
 
 def test_handoff_bench_cpu_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["handoff-bench", "--device", "cpu", "--size", "32MB", "--tensors", "8", "--repeats", "2",
-               "--out", str(out)])
+    rc = main(
+        ["handoff-bench", "--device", "cpu", "--size", "32MB", "--tensors", "8", "--repeats", "2", "--out", str(out)]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "torch" in table and "torch_memory_saver" in table

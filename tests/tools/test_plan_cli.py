@@ -15,8 +15,9 @@ from colosync.tools.handoff import parse_size
 GB = 10**9
 
 
-@pytest.mark.parametrize("text, value", [("140GB", 140 * GB), ("898GiB", 898 * 2**30), ("1.5e9", 1_500_000_000),
-                                         ("512 MiB", 512 * 2**20)])
+@pytest.mark.parametrize(
+    "text, value", [("140GB", 140 * GB), ("898GiB", 898 * 2**30), ("1.5e9", 1_500_000_000), ("512 MiB", 512 * 2**20)]
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -42,8 +43,22 @@ def test_cli_plan_table_and_plot(capsys, tmp_path):
 
 
 def test_cli_plan_from_flags_and_overrides(capsys):
-    args = ["plan", "--engine-weights", "16GB", "--kv", "60GB", "--trainer-resident", "48GB",
-            "--trainer-backup", "40GB", "--host-budget", "50GB", "--gpu-memory", "141GB", "--json"]
+    args = [
+        "plan",
+        "--engine-weights",
+        "16GB",
+        "--kv",
+        "60GB",
+        "--trainer-resident",
+        "48GB",
+        "--trainer-backup",
+        "40GB",
+        "--host-budget",
+        "50GB",
+        "--gpu-memory",
+        "141GB",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"] == "gpu" and out["modes"]["cpu"]["host_peak_bytes"] == 56 * GB
@@ -74,8 +89,13 @@ def test_cli_plan_workload_errors_say_what_is_wrong(capsys, tmp_path):
 
 
 def test_cli_plan_missing_file_exits_without_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "colosync.tools.cli", "plan", "--workload", "/nonexistent.json"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-m", "colosync.tools.cli", "plan", "--workload", "/nonexistent.json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 2
     assert "colosync plan: handoff workload file '/nonexistent.json': no such file" in out.stderr
     assert "Traceback" not in out.stderr

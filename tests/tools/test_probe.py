@@ -42,8 +42,13 @@ def test_pidfd_getfd_on_self_and_on_a_dead_pid():
 
 
 def test_cli_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "colosync.tools.cli", "probe", "--json", "--no-spawn"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-m", "colosync.tools.cli", "probe", "--json", "--no-spawn"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode in (0, 1), out.stderr
     data = json.loads(out.stdout)
     assert set(data) >= set(ProbeReport.__struct_fields__)

@@ -22,8 +22,16 @@ def test_seed_lora_preset():
 
 def test_a_workload_file(tmp_path):
     path = tmp_path / "two.json"
-    path.write_text(json.dumps({"tensors": [{"name": "a", "shape": [2, 3], "dtype": "float32"},
-                                            {"name": "b", "shape": [4], "dtype": "bfloat16"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "tensors": [
+                    {"name": "a", "shape": [2, 3], "dtype": "float32"},
+                    {"name": "b", "shape": [4], "dtype": "bfloat16"},
+                ]
+            }
+        )
+    )
     workload, specs, lora = load_sync_workload(str(path))
     assert (workload.name, workload.kind, workload.tensors, workload.bytes) == ("two", "full", 2, 32)
     assert specs[0] == ("a", (2, 3), torch.float32) and lora is None

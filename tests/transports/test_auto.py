@@ -39,7 +39,11 @@ class _UnopenableExport(CudaIpcSender):
 def forced_ipc(monkeypatch):
     """Make the trainer side believe CUDA IPC works; the engine side decides for real."""
     monkeypatch.setattr(CudaIpcSender, "available", classmethod(lambda cls, device: (True, "forced by the test")))
-    monkeypatch.setattr(CudaIpcSender, "create", classmethod(lambda cls, slot_bytes, slots, device: _UnopenableExport(slot_bytes, slots, device)))
+    monkeypatch.setattr(
+        CudaIpcSender,
+        "create",
+        classmethod(lambda cls, slot_bytes, slots, device: _UnopenableExport(slot_bytes, slots, device)),
+    )
 
 
 def test_cuda_ipc_is_tried_first():
@@ -63,9 +67,11 @@ def test_auto_falls_back_to_shm_when_the_engine_cannot_open_cuda_ipc(forced_ipc,
 
 
 def test_forced_cuda_ipc_fails_loudly_instead_of_falling_back(forced_ipc, store_engine):
-    with Sender(store_engine.connect(), transport="cuda_ipc", bucket_bytes=4096) as sender:
-        with pytest.raises(TransportError):
-            sender.push(NAMED)
+    with (
+        Sender(store_engine.connect(), transport="cuda_ipc", bucket_bytes=4096) as sender,
+        pytest.raises(TransportError),
+    ):
+        sender.push(NAMED)
 
 
 def test_cpu_tensors_pass_over_cuda_ipc_with_the_reason(store_engine, caplog):

@@ -24,9 +24,8 @@ from colosync import transports
 from colosync.engines.process import EngineAddress, EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, tensor_digests
 from colosync.engines.store import Fetch
-from colosync.wire.protocol import Status
 from colosync.sync.sender import Sender
-
+from colosync.wire.protocol import Status
 from tests.wire.test_bucket import DTYPES, sample
 
 ENGINES = [
@@ -57,7 +56,7 @@ def transport(request, engine):
 def fetch_all(eng: EngineProcess) -> dict[str, torch.Tensor]:
     if eng.config.engine == "sink":
         reply = eng.call(Digest())
-        return {name: fp for name, fp in zip(reply.names, reply.fingerprints)}
+        return {name: fp for name, fp in zip(reply.names, reply.fingerprints, strict=False)}
     reply = eng.call(Fetch())
     out = {}
     for t in reply.tensors:
@@ -103,8 +102,11 @@ def test_empty_update(engine, transport):
 
 def test_tensor_larger_than_bucket_cap_streams_in_chunks(engine, transport):
     eng, device = engine
-    named = [("small", sample(torch.float32, (10,), 1)), ("big", sample(torch.bfloat16, (300, 1001), 2)),
-             ("tail", sample(torch.int8, (5,), 3))]
+    named = [
+        ("small", sample(torch.float32, (10,), 1)),
+        ("big", sample(torch.bfloat16, (300, 1001), 2)),
+        ("tail", sample(torch.int8, (5,), 3)),
+    ]
     report = push(eng, transport, device, named, bucket_bytes=4096)
     assert report.buckets == 3
     assert_committed(eng, named)
@@ -140,7 +142,7 @@ def _killed_sender(address: bytes, kind: str, transport: str, device: str, ready
     specs = [(f"x{i}", (1024,), torch.float32) for i in range(8)]
 
     def slow_source():
-        for i, (name, shape, dtype) in enumerate(specs):
+        for i, (name, shape, _dtype) in enumerate(specs):
             if i == 4:
                 ready.set()
                 time.sleep(600)  # killed here, mid-update
@@ -161,7 +163,9 @@ def test_sender_killed_mid_update_changes_nothing(engine, transport):
     segments_before = set(shm_segments())
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    child = ctx.Process(target=_killed_sender, args=(msgspec.msgpack.encode(eng.address), eng.config.engine, transport, device, ready))
+    child = ctx.Process(
+        target=_killed_sender, args=(msgspec.msgpack.encode(eng.address), eng.config.engine, transport, device, ready)
+    )
     child.start()
     try:
         assert ready.wait(120), "sender never reached the middle of its update"

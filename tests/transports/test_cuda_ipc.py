@@ -12,19 +12,19 @@ import logging
 import pytest
 import torch
 
-from colosync.wire.bucket import fingerprint, plan_buckets
-from tests.helpers import pack_into
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, SinkEngine, tensor_digests
 from colosync.errors import FingerprintMismatchError, NonFiniteError
 from colosync.sync.link import LocalLink
-from colosync.wire.manifest import UpdateManifest
-from colosync.wire.protocol import Attach, Begin, Commit, Prepare, Stage
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.transports import cuda_ipc
 from colosync.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from colosync.transports.shm import CHUNK_BYTES
+from colosync.wire.bucket import fingerprint, plan_buckets
+from colosync.wire.manifest import UpdateManifest
+from colosync.wire.protocol import Attach, Begin, Commit, Prepare, Stage
+from tests.helpers import pack_into
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,9 @@ def named_tensors(seed: int, n: int = 40) -> list[tuple[str, torch.Tensor]]:
 
 def assert_served(engine: EngineProcess, named) -> None:
     reply = engine.call(Digest())
-    assert dict(zip(reply.names, reply.fingerprints)) == dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
+    assert dict(zip(reply.names, reply.fingerprints, strict=False)) == dict(
+        zip([n for n, _ in named], tensor_digests([t for _, t in named]), strict=True)
+    )
 
 
 def test_buffer_is_outside_the_caching_allocator_and_shared_in_process():
@@ -108,7 +110,7 @@ def test_arena_updates_need_no_packing(sink):
         arena = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], "cuda")
         with torch.no_grad():
             torch._foreach_copy_(arena, [t for _, t in named])
-        weights = [(n, a) for (n, _), a in zip(named, arena)]
+        weights = [(n, a) for (n, _), a in zip(named, arena, strict=True)]
         sender.push(weights)
         assert_served(sink, named)
         with torch.no_grad():
@@ -162,11 +164,31 @@ def test_bench_end_to_end(tmp_path):
     from colosync.tools.bench.sync import run_bench
 
     workload = tmp_path / "tiny.json"
-    workload.write_text(json.dumps({"name": "tiny", "kind": "full", "tensors": [
-        {"name": f"t{i}", "shape": [256, 512], "dtype": "bfloat16"} for i in range(32)]}))
-    args = argparse.Namespace(workload=str(workload), transports=None, references="fresh_ipc,pickle", arena=True,
-                              repeats=2, warmup=1, bucket_mb=None, slots=None, device="cuda", no_floor=False,
-                              force_pickle=False, json=True, out=None, argv=["bench", "--workload", str(workload)])
+    workload.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "kind": "full",
+                "tensors": [{"name": f"t{i}", "shape": [256, 512], "dtype": "bfloat16"} for i in range(32)],
+            }
+        )
+    )
+    args = argparse.Namespace(
+        workload=str(workload),
+        transports=None,
+        references="fresh_ipc,pickle",
+        arena=True,
+        repeats=2,
+        warmup=1,
+        bucket_mb=None,
+        slots=None,
+        device="cuda",
+        no_floor=False,
+        force_pickle=False,
+        json=True,
+        out=None,
+        argv=["bench", "--workload", str(workload)],
+    )
     result = run_bench(args)
     paths = {r.path: r for r in result.results}
     assert {"cuda_ipc", "shm", "cuda_ipc+arena", "ref:fresh_ipc", "ref:pickle", "floor:pinned d2h"} <= set(paths)

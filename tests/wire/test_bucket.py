@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from colosync.wire.bucket import fingerprint, plan_buckets, tensor_views
-from tests.helpers import pack_into
 from colosync.wire.manifest import ALIGN
+from tests.helpers import pack_into
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):
@@ -28,22 +30,27 @@ def specs_of(named):
 
 
 def test_roundtrip_every_dtype_and_shape():
-    named = [(f"t{i}.{d}", sample(d, s, i)) for i, (d, s) in enumerate(
-        (d, s) for d in DTYPES for s in [(), (1,), (3, 5), (2, 3, 7)])]
+    named = [
+        (f"t{i}.{d}", sample(d, s, i))
+        for i, (d, s) in enumerate((d, s) for d in DTYPES for s in [(), (1,), (3, 5), (2, 3, 7)])
+    ]
     layout = plan_buckets(specs_of(named), 256)
     metas, sizes = layout.tensors, layout.bucket_sizes
     assert all(m.offset % ALIGN == 0 for m in metas)
     buffers = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
     for b, buf in enumerate(buffers):
-        in_bucket = [(m, t) for m, (_, t) in zip(metas, named) if m.bucket == b]
+        in_bucket = [(m, t) for m, (_, t) in zip(metas, named, strict=True) if m.bucket == b]
         pack_into(buf, [m for m, _ in in_bucket], [t for _, t in in_bucket])
     views = {}
     for b, buf in enumerate(buffers):
         views.update(tensor_views(buf, [m for m in metas if m.bucket == b]))
     for name, t in named:
         assert views[name].dtype == t.dtype and views[name].shape == t.shape
-        assert torch.equal(views[name].view(torch.uint8), t.view(torch.uint8)) if t.dim() else \
-            torch.equal(views[name].reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8))
+        assert (
+            torch.equal(views[name].view(torch.uint8), t.view(torch.uint8))
+            if t.dim()
+            else torch.equal(views[name].reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8))
+        )
 
 
 def test_views_are_zero_copy():
@@ -57,8 +64,12 @@ def test_views_are_zero_copy():
 
 
 def test_cap_respected_and_oversize_tensor_gets_own_bucket():
-    specs = [("small0", (10,), torch.float32), ("huge", (1000,), torch.float32), ("small1", (10,), torch.float32),
-              ("small2", (10,), torch.float32)]
+    specs = [
+        ("small0", (10,), torch.float32),
+        ("huge", (1000,), torch.float32),
+        ("small1", (10,), torch.float32),
+        ("small2", (10,), torch.float32),
+    ]
     layout = plan_buckets(specs, 128)
     metas, sizes = layout.tensors, layout.bucket_sizes
     by_name = {m.name: m for m in metas}
@@ -99,15 +110,20 @@ def test_float_runs_and_segments_stop_at_other_dtypes():
     from colosync.wire.bucket import float_runs
     from colosync.wire.fused import segments
 
-    specs = [("a", (3, 5), torch.bfloat16), ("b", (7,), torch.bfloat16), ("i", (4,), torch.int32),
-             ("c", (9,), torch.bfloat16), ("d", (3,), torch.float32)]
+    specs = [
+        ("a", (3, 5), torch.bfloat16),
+        ("b", (7,), torch.bfloat16),
+        ("i", (4,), torch.int32),
+        ("c", (9,), torch.bfloat16),
+        ("d", (3,), torch.float32),
+    ]
     layout = plan_buckets(specs, 1 << 20)
     metas, sizes = layout.tensors, layout.bucket_sizes
     runs = float_runs(metas)
     assert [r[2] for r in runs] == [torch.bfloat16, torch.bfloat16, torch.float32]  # "i" splits the bf16 run
     segs = segments(metas, sizes[0])
     assert segs[0][0] == 0 and segs[-1][1] == sizes[0]
-    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))  # contiguous cover
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(segs))  # contiguous cover
     assert all(s[0] % 8 == 0 and s[1] % 8 == 0 for s in segs)
     assert float_runs(plan_buckets([("f8", (4,), torch.float8_e4m3fn)], 1024).tensors) is None
 

@@ -24,6 +24,16 @@ from colosync.engines.vllm.worker import (
 )
 
 __all__ = [
-    "ADAPTER_ID", "ADAPTER_NAME", "IN_MEMORY_PATH", "WORKER_EXTENSION", "AsyncVllmEngine", "AsyncVllmLink",
-    "ColosyncWorkerExtension", "CommitMode", "VllmEngine", "VllmLink", "VllmTarget", "WorkerInfo",
+    "ADAPTER_ID",
+    "ADAPTER_NAME",
+    "IN_MEMORY_PATH",
+    "WORKER_EXTENSION",
+    "AsyncVllmEngine",
+    "AsyncVllmLink",
+    "ColosyncWorkerExtension",
+    "CommitMode",
+    "VllmEngine",
+    "VllmLink",
+    "VllmTarget",
+    "WorkerInfo",
 ]

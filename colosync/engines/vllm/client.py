@@ -14,8 +14,15 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from colosync.engines.vllm.link import (AsyncVllmLink, CommitMode, VllmLink, _VllmLinkBase, colosync_lora_request,
-                                        score_completions, version_of)
+from colosync.engines.vllm.link import (
+    AsyncVllmLink,
+    CommitMode,
+    VllmLink,
+    _VllmLinkBase,
+    colosync_lora_request,
+    score_completions,
+    version_of,
+)
 from colosync.engines.vllm.worker import WorkerInfo
 from colosync.errors import EngineError, FailedClosedError
 from colosync.wire.protocol import Status
@@ -73,8 +80,11 @@ class VllmEngine(_EngineClient):
         self.llm = llm
         self.link = VllmLink(llm, commit_mode)
         self.workers = self.link.info()
-        log.info("colosync: attached to vLLM with %d worker(s), committed update %d",
-                 len(self.workers), self.link.committed_update_id)
+        log.info(
+            "colosync: attached to vLLM with %d worker(s), committed update %d",
+            len(self.workers),
+            self.link.committed_update_id,
+        )
 
 
 class AsyncVllmEngine(_EngineClient):
@@ -96,5 +106,13 @@ class AsyncVllmEngine(_EngineClient):
         return client
 
 
-__all__ = ["AsyncVllmEngine", "AsyncVllmLink", "CommitMode", "VllmEngine", "VllmLink", "colosync_lora_request",
-           "score_completions", "version_of"]
+__all__ = [
+    "AsyncVllmEngine",
+    "AsyncVllmLink",
+    "CommitMode",
+    "VllmEngine",
+    "VllmLink",
+    "colosync_lora_request",
+    "score_completions",
+    "version_of",
+]

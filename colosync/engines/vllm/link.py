@@ -149,8 +149,9 @@ class _VllmLinkBase:
         raise NotImplementedError
 
     # -- scoring ----------------------------------------------------------------------------
-    def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-              lora: Any = None) -> tuple[list[list[float]], set[int]]:
+    def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], lora: Any = None
+    ) -> tuple[list[list[float]], set[int]]:
         """``score_completions`` through this engine: per-token logprobs and the updates that computed them."""
         return score_completions(self._generate_one, prompts, completions, lora)
 
@@ -224,7 +225,8 @@ class _VllmLinkBase:
             self.failed_closed = (
                 f"the vLLM engine refuses to serve (failed closed): update {update_id} committed but failed "
                 "verification and a full update cannot be rolled back; push a good update (one that commits and "
-                "verifies) to serve again")
+                "verifies) to serve again"
+            )
         self.serving = serving
 
     def _switch(self, request: Commit | Revert) -> Ack:
@@ -244,8 +246,11 @@ class _VllmLinkBase:
     def _relabel(self, ack: Ack, request: Commit | Revert) -> None:
         self._label(str(ack.committed_update_id))
         if not self._reset_prefix_cache():
-            log.warning("colosync: vLLM did not reset its prefix cache after %s of update %d",
-                        type(request).__name__.lower(), request.update_id)
+            log.warning(
+                "colosync: vLLM did not reset its prefix cache after %s of update %d",
+                type(request).__name__.lower(),
+                request.update_id,
+            )
 
     def _commit(self, request: Commit) -> Ack:
         uid, probe = request.update_id, request.probe
@@ -257,8 +262,9 @@ class _VllmLinkBase:
         delivery = ack.delivery
         if delivery is not None and delivery.changed != delivery.expected:
             unit = "LoRA modules" if kind == "lora" else "layers"
-            self._fail(uid, f"the engine changed {delivery.changed} of the {delivery.expected} {unit} the manifest "
-                            "names")
+            self._fail(
+                uid, f"the engine changed {delivery.changed} of the {delivery.expected} {unit} the manifest names"
+            )
         if probe is None:
             return ack
         return msgspec.structs.replace(ack, delivery=self._verify(uid, probe, delivery))
@@ -286,18 +292,26 @@ class _VllmLinkBase:
         try:
             after = self._revert(Revert(uid, why))
         except ColosyncError as exc:
-            raise DeliveryError(f"update {uid} committed but failed verification: {why}; reverting it failed too "
-                                f"({type(exc).__name__}: {exc}): restart the engine, then push a good update") from exc
+            raise DeliveryError(
+                f"update {uid} committed but failed verification: {why}; reverting it failed too "
+                f"({type(exc).__name__}: {exc}): restart the engine, then push a good update"
+            ) from exc
         if not after.serving:
-            self.failed_closed = (f"the vLLM engine refuses to serve (failed closed): update {uid} committed but "
-                                  f"failed verification ({why}) and a full update cannot be rolled back; push a good "
-                                  "update (one that commits and verifies) to serve again")
+            self.failed_closed = (
+                f"the vLLM engine refuses to serve (failed closed): update {uid} committed but "
+                f"failed verification ({why}) and a full update cannot be rolled back; push a good "
+                "update (one that commits and verifies) to serve again"
+            )
         raise delivery_error(uid, why, after)
 
     def _revert(self, request: Revert) -> Ack:
         ack = self._switch(request)
-        if ack.serving and ack.committed_update_id != request.update_id and self._last_lora is not None \
-                and self._last_lora[0] == request.update_id:
+        if (
+            ack.serving
+            and ack.committed_update_id != request.update_id
+            and self._last_lora is not None
+            and self._last_lora[0] == request.update_id
+        ):
             self.lora_update_id = self._last_lora[1]  # the adapter served before it is back
             self._last_lora = None
         return ack
@@ -414,9 +428,13 @@ class AsyncVllmLink(_VllmLinkBase):
 
         async def final() -> Any:
             out = None
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params,
-                                                  f"colosync-score-{next(self._probe_ids)}", lora_request=lora):
-                pass
+            async for item in self.engine.generate(
+                TokensPrompt(prompt_token_ids=token_ids),
+                params,
+                f"colosync-score-{next(self._probe_ids)}",
+                lora_request=lora,
+            ):
+                out = item  # keep the last (final) output
             return out
 
         return self._bridge.run(final())

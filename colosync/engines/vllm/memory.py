@@ -88,7 +88,8 @@ class VllmEngineMemory(EngineMemory):
 
     def footprint(self) -> Footprint:
         device = (self._sizes[Region.ENGINE_WEIGHTS] if self._weights_held else 0) + (
-            self._sizes[Region.ENGINE_KV] if self._kv_held else 0)
+            self._sizes[Region.ENGINE_KV] if self._kv_held else 0
+        )
         return Footprint(self._mirror_host_bytes if self._mirror else 0, device, "cuda")
 
     def _measure(self, op: str, call: Callable[[], object]) -> OpReport:
@@ -100,9 +101,12 @@ class VllmEngineMemory(EngineMemory):
         free1, _ = torch.cuda.mem_get_info(self.device)
         h1 = host.sample().value
         return self._report(
-            op, started,
-            device_freed=max(0, free1 - free0), device_allocated=max(0, free0 - free1),
-            host_allocated=max(0, h1 - h0), host_freed=max(0, h0 - h1),
+            op,
+            started,
+            device_freed=max(0, free1 - free0),
+            device_allocated=max(0, free0 - free1),
+            host_allocated=max(0, h1 - h0),
+            host_freed=max(0, h0 - h1),
         )
 
     def offload_kv(self) -> OpReport:
@@ -151,4 +155,3 @@ class VllmEngineMemory(EngineMemory):
         self._kv_held = True
         self._sizes[Region.ENGINE_KV] = max(self._sizes[Region.ENGINE_KV], report.device_allocated)
         return report
-

@@ -49,8 +49,14 @@ class VllmServing:
         from colosync.engines.vllm.worker import WORKER_EXTENSION
 
         llm = LLM(
-            model=config.model_dir, skip_tokenizer_init=True, dtype="float32", enable_lora=True,
-            max_lora_rank=config.max_lora_rank, max_loras=1, enforce_eager=True, max_model_len=256,
+            model=config.model_dir,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=1,
+            enforce_eager=True,
+            max_model_len=256,
             worker_extension_cls=WORKER_EXTENSION,
         )
         return cls(llm)
@@ -76,9 +82,14 @@ class VllmServing:
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in request.prompts]
         params = [
-            SamplingParams(temperature=request.temperature, seed=request.seed + i if request.temperature else None,
-                           max_tokens=request.max_new_tokens, min_tokens=request.max_new_tokens, logprobs=0,
-                           detokenize=False)
+            SamplingParams(
+                temperature=request.temperature,
+                seed=request.seed + i if request.temperature else None,
+                max_tokens=request.max_new_tokens,
+                min_tokens=request.max_new_tokens,
+                logprobs=0,
+                detokenize=False,
+            )
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(prompts, params, lora_request=self._lora(), use_tqdm=False)
@@ -86,7 +97,9 @@ class VllmServing:
         for out in outputs:
             completion = out.outputs[0]
             tokens.append(list(completion.token_ids))
-            logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)])
+            logprobs.append(
+                [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+            )
             versions.add(self.engine.version_of(out))
         return Generation(_one_version(versions), tokens, logprobs)
 

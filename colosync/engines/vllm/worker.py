@@ -51,8 +51,7 @@ import torch
 from colosync.engines.host import EngineHost, codecs
 from colosync.errors import RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import (Changes, EngineTarget, ModelSpec, ParamSpec, parse_lora_name, tied_parameters,
-                                  untie)
+from colosync.sync.target import Changes, EngineTarget, ModelSpec, ParamSpec, parse_lora_name, tied_parameters, untie
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Failed
 
@@ -80,8 +79,6 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     committed_update_id: int
     lora_update_id: int  # the update that installed the served adapter; 0 if none
     serving: bool = True  # False: failed closed (a full update did not verify); push a good update
-
-
 
 
 # =========================================================================================
@@ -134,7 +131,7 @@ class VllmTarget(EngineTarget):
         self._spec = self._build_spec()
         self._packed = dict(getattr(self._model(), "packed_modules_mapping", {}) or {})
         self._groups: dict[str, set[str]] = {}  # vLLM layer -> the HF parameters it loads
-        for name in self._spec.params:
+        for name in self._spec.params or {}:  # this target always describes its parameters
             self._groups.setdefault(self._group_of(name), set()).add(name)
         self._served: Any = None  # the LoRAModel currently installed under ADAPTER_ID
         self.lora_update_id = 0
@@ -173,8 +170,9 @@ class VllmTarget(EngineTarget):
             with torch.device("meta"):
                 hf_model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)
         except Exception as exc:  # an architecture transformers cannot build
-            log.warning("colosync: cannot describe %s on meta (%s); full updates disabled",
-                        type(text_config).__name__, exc)
+            log.warning(
+                "colosync: cannot describe %s on meta (%s); full updates disabled", type(text_config).__name__, exc
+            )
             return ModelSpec({}, {}, self._max_rank(), self._lora_dtype())
         # named_parameters() lists a tied lm_head once, as the embedding; ``tied`` lets a full
         # state_dict() through (its lm_head.weight must equal the embedding and is dropped).
@@ -260,8 +258,9 @@ class VllmTarget(EngineTarget):
             helper.validate_legal(self.lora_config)
         except ValueError as exc:
             cls = RankError if "max_lora_rank" in str(exc) else UpdateRejected
-            raise cls(f"vLLM refuses this adapter: {exc} Restart the engine with a matching "
-                      "LoRA config or change the adapter") from None
+            raise cls(
+                f"vLLM refuses this adapter: {exc} Restart the engine with a matching LoRA config or change the adapter"
+            ) from None
         return helper
 
     # -- EngineTarget -----------------------------------------------------------------------
@@ -272,9 +271,8 @@ class VllmTarget(EngineTarget):
         # The Receiver drops tied aliases (``untie``) before prepare; this is then a no-op,
         # and keeps a state_dict() with lm_head.weight working under a Receiver that does not.
         tensors = untie(manifest, tensors, self._spec)
-        named = [
-            (name, t.to(dtype=self._spec.params[name].dtype, copy=True)) for name, t in tensors.items()
-        ]
+        params = self._spec.params or {}
+        named = [(name, t.to(dtype=params[name].dtype, copy=True)) for name, t in tensors.items()]
         return _PreparedFull(named, {self._group_of(name) for name in tensors})
 
     def _build_lora(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
@@ -328,9 +326,13 @@ class VllmTarget(EngineTarget):
             self._previous, self._last_commit = None, ("full", update_id)  # nothing to revert to
             changes = Changes(len(prepared.layers & loaded), len(prepared.layers))
         if changes.changed != changes.expected:
-            log.warning("colosync: update %d changed %d of the %d %s its manifest names", update_id,
-                        changes.changed, changes.expected,
-                        "LoRA modules" if isinstance(prepared, _PreparedLora) else "vLLM layers")
+            log.warning(
+                "colosync: update %d changed %d of the %d %s its manifest names",
+                update_id,
+                changes.changed,
+                changes.expected,
+                "LoRA modules" if isinstance(prepared, _PreparedLora) else "vLLM layers",
+            )
         return changes
 
     def revert(self, update_id: int) -> bool:
@@ -377,7 +379,7 @@ class VllmTarget(EngineTarget):
     def _load_full(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Reload ``named`` in place; returns the vLLM layers ``load_weights`` loaded."""
         runner = self.worker.model_runner
-        model = self._model()
+        model: Any = self._model()  # vLLM's model class: load_weights is its own method, wrapped below
         loaded: set[str] = set()
         load_weights = model.load_weights
 
@@ -494,5 +496,13 @@ class ColosyncWorkerExtension:
         return state
 
 
-__all__ = ["ADAPTER_ID", "ADAPTER_NAME", "ColosyncWorkerExtension", "IN_MEMORY_PATH", "VllmTarget",
-           "WORKER_EXTENSION", "WorkerInfo", "placed_lora_modules"]
+__all__ = [
+    "ADAPTER_ID",
+    "ADAPTER_NAME",
+    "ColosyncWorkerExtension",
+    "IN_MEMORY_PATH",
+    "VllmTarget",
+    "WORKER_EXTENSION",
+    "WorkerInfo",
+    "placed_lora_modules",
+]

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -59,7 +59,9 @@ class HostLease:
         if self.released:
             raise StashError(f"host lease of {self.owner!r} was already released")
         if offset < 0 or offset + length > self.capacity:
-            raise StashError(f"range [{offset}, {offset + length}) is outside {self.owner!r}'s lease of {self.capacity} bytes")
+            raise StashError(
+                f"range [{offset}, {offset + length}) is outside {self.owner!r}'s lease of {self.capacity} bytes"
+            )
         done = 0
         while done < length:
             pos = offset + done
@@ -101,8 +103,10 @@ class HostPool:
         name: str = "colosync-host-pool",
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes % 4096:
-            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096 (a page), got {chunk_bytes}; "
-                              f"e.g. HostPool(chunk_bytes=1 << 30)")
+            raise ConfigError(
+                f"chunk_bytes must be a positive multiple of 4096 (a page), got {chunk_bytes}; "
+                f"e.g. HostPool(chunk_bytes=1 << 30)"
+            )
         self._auto = pin == "auto"
         if pin == "auto":
             pin = "register" if torch.cuda.is_available() else "none"
@@ -164,8 +168,12 @@ class HostPool:
                         f"and may not grow past max_bytes={self.max_bytes / 1e9:.2f} GB (leased: {self.leases()}); "
                         f"raise max_bytes, or use peak_device='gpu' so the host copies do not coexist"
                     )
-                log.info("host pool %s grows by %d chunk(s) for %s (reserve it up front to keep this off the critical path)",
-                         self.name, grow, owner)
+                log.info(
+                    "host pool %s grows by %d chunk(s) for %s (reserve it up front to keep this off the critical path)",
+                    self.name,
+                    grow,
+                    owner,
+                )
                 for _ in range(grow):
                     self._grow_one()
             chunks = [self._free.pop() for _ in range(need)]
@@ -215,8 +223,9 @@ class HostPool:
                 except (StashError, AttributeError, RuntimeError) as exc:
                     if not self._auto:
                         raise
-                    log.warning("cudaHostRegister failed (%s); pool %s falls back to torch's pinned allocator",
-                                exc, self.name)
+                    log.warning(
+                        "cudaHostRegister failed (%s); pool %s falls back to torch's pinned allocator", exc, self.name
+                    )
                     self.pin = "alloc"
                     chunk = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         self._all.append(chunk)
@@ -229,8 +238,10 @@ class HostPool:
             finalizer()  # unregisters, once
 
     def __repr__(self) -> str:
-        return (f"HostPool({self.name!r}, capacity={self.capacity_bytes / 1e9:.2f} GB, "
-                f"leased={self.leased_bytes / 1e9:.2f} GB, pin={self.pin})")
+        return (
+            f"HostPool({self.name!r}, capacity={self.capacity_bytes / 1e9:.2f} GB, "
+            f"leased={self.leased_bytes / 1e9:.2f} GB, pin={self.pin})"
+        )
 
 
 def _unregister(ptr: int) -> None:
@@ -238,9 +249,9 @@ def _unregister(ptr: int) -> None:
 
 
 def _check_cuda(result: object, what: str) -> None:
-    code = getattr(result, "value", result)
+    raw: Any = getattr(result, "value", result)  # torch.cuda.cudart() returns an error enum or a plain int
     try:
-        code = int(code)  # type: ignore[call-overload]
+        code = int(raw)
     except (TypeError, ValueError):
         return
     if code != 0:

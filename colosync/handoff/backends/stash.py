@@ -46,11 +46,16 @@ class StashStats(OpReport, frozen=True, kw_only=True):
 
     def __add__(self, other: StashStats) -> StashStats:
         """Both operations as one (a participant that offloads two stashes in one step)."""
-        summed = {name: getattr(self, name) + getattr(other, name)
-                  for name in (*COUNTERS, "seconds", "tensors", "copies")}
-        return StashStats(participant=self.participant or other.participant, op=self.op or other.op,
-                          noop=self.noop and other.noop, note="; ".join(n for n in (self.note, other.note) if n),
-                          **summed)
+        summed = {
+            name: getattr(self, name) + getattr(other, name) for name in (*COUNTERS, "seconds", "tensors", "copies")
+        }
+        return StashStats(
+            participant=self.participant or other.participant,
+            op=self.op or other.op,
+            noop=self.noop and other.noop,
+            note="; ".join(n for n in (self.note, other.note) if n),
+            **summed,
+        )
 
 
 @dataclass
@@ -94,8 +99,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 class TensorStash:
     """Offload/restore one set of tensors as a unit (see module docstring)."""
 
-    def __init__(self, owner: str, device: torch.device | str, pool: HostPool | None = None, *,
-                 empty_cache: bool = True) -> None:
+    def __init__(
+        self, owner: str, device: torch.device | str, pool: HostPool | None = None, *, empty_cache: bool = True
+    ) -> None:
         self.owner = owner
         self.device = torch.device(device)
         self.pool = pool
@@ -128,8 +134,9 @@ class TensorStash:
         return self._total if self.offloaded else 0
 
     # -- offload ----------------------------------------------------------------------------
-    def offload(self, tensors: Iterable[torch.Tensor], *, backup: bool,
-                on_peak: Callable[[], None] | None = None) -> StashStats:
+    def offload(
+        self, tensors: Iterable[torch.Tensor], *, backup: bool, on_peak: Callable[[], None] | None = None
+    ) -> StashStats:
         """Copy ``tensors`` to a host lease (when ``backup``) and free their device memory."""
         started = time.perf_counter()
         if self.offloaded:
@@ -169,8 +176,12 @@ class TensorStash:
             else:
                 freed += st.nbytes()
         if retained:
-            log.warning("%s: %.3f GB stay allocated after offload: other tensors (not given to the stash) still "
-                        "reference the same storage; offload them too", self.owner, retained / 1e9)
+            log.warning(
+                "%s: %.3f GB stay allocated after offload: other tensors (not given to the stash) still "
+                "reference the same storage; offload them too",
+                self.owner,
+                retained / 1e9,
+            )
         unique.clear()
         self._regions = regions
         self._total = total
@@ -178,15 +189,24 @@ class TensorStash:
         if self.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return StashStats(
-            participant=self.owner, op="offload", seconds=time.perf_counter() - started, tensors=len(mine),
-            copies=copies, host_allocated=lease.nbytes if lease is not None else 0,
+            participant=self.owner,
+            op="offload",
+            seconds=time.perf_counter() - started,
+            tensors=len(mine),
+            copies=copies,
+            host_allocated=lease.nbytes if lease is not None else 0,
             # data bytes (the copies also span the alignment gaps between regions)
             bytes_to_host=sum(r.nbytes for r in regions) if lease is not None else 0,
-            device_freed=freed, device_retained=retained,
+            device_freed=freed,
+            device_retained=retained,
         )
 
-    def _copy_out(self, lease: HostLease, copies: list[tuple[int, int, int]],
-                  storages: dict[int, tuple[torch.UntypedStorage, int]]) -> None:
+    def _copy_out(
+        self,
+        lease: HostLease,
+        copies: list[tuple[int, int, int]],
+        storages: dict[int, tuple[torch.UntypedStorage, int]],
+    ) -> None:
         for src_ptr, dst_off, length in copies:
             st, start = storages[src_ptr]
             lease.write(dst_off, _bytes_view(st, start, length, self.device))
@@ -219,7 +239,7 @@ class TensorStash:
             if ptr == self._flat_ptr and st.nbytes() == self._flat_nbytes:
                 spans = self._flat_spans(ts)
             for t in ts:
-                off = t.storage_offset() * t.element_size()
+                off = int(t.storage_offset()) * t.element_size()  # an int outside tracing
                 start, length = spans[id(t)] if spans is not None else (0, st.nbytes())
                 region = regions.get((ptr, start))
                 if region is None:
@@ -289,7 +309,8 @@ class TensorStash:
                 if byte % itemsize:
                     raise StashError(f"{self.owner}: misaligned view at byte {byte} for {v.dtype}")
                 v.tensor.data = torch.empty(0, dtype=v.dtype, device=self.device).set_(
-                    storage, byte // itemsize, v.size, v.stride)
+                    storage, byte // itemsize, v.size, v.stride
+                )
         self.inflight_bytes = 0
         if lease is not None:
             lease.release()
@@ -302,8 +323,11 @@ class TensorStash:
         self._total = 0
         del flat, storage
         return StashStats(
-            participant=self.owner, op="restore", seconds=time.perf_counter() - started,
-            tensors=sum(len(r.views) for r in regions), device_allocated=total,
+            participant=self.owner,
+            op="restore",
+            seconds=time.perf_counter() - started,
+            tensors=sum(len(r.views) for r in regions),
+            device_allocated=total,
             bytes_to_device=sum(r.nbytes for r in regions) if lease is not None else 0,
             copies=lease.pool.chunks_for(total) if lease is not None else 0,
             host_freed=lease.nbytes if lease is not None else 0,

@@ -50,8 +50,15 @@ def _tms(hook_mode: str) -> Any:
 class TmsTrainerMemory(TrainerMemory):
     """Trainer memory on ``torch_memory_saver`` regions (see module docstring)."""
 
-    def __init__(self, *, tag: str = "colosync.trainer", grad_tag: str = "colosync.trainer.grads",
-                 hook_mode: str = "torch", device: torch.device | str | None = None, name: str = "trainer") -> None:
+    def __init__(
+        self,
+        *,
+        tag: str = "colosync.trainer",
+        grad_tag: str = "colosync.trainer.grads",
+        hook_mode: str = "torch",
+        device: torch.device | str | None = None,
+        name: str = "trainer",
+    ) -> None:
         super().__init__(name)
         self.tms = _tms(hook_mode)
         self.tag = tag
@@ -99,8 +106,13 @@ class TmsTrainerMemory(TrainerMemory):
         return frozenset(held)
 
     def region_bytes(self) -> dict[Region, int]:
-        return {Region.TRAINER_STATE: self.state_bytes, Region.TRAINER_BACKUP: self.state_bytes,
-                Region.TRAINER_GRADS: self.grad_bytes, Region.TRAINER_CACHE: 0, Region.TRAINER_LOAD: 0}
+        return {
+            Region.TRAINER_STATE: self.state_bytes,
+            Region.TRAINER_BACKUP: self.state_bytes,
+            Region.TRAINER_GRADS: self.grad_bytes,
+            Region.TRAINER_CACHE: 0,
+            Region.TRAINER_LOAD: 0,
+        }
 
     def footprint(self) -> Footprint:
         if self._asleep:
@@ -127,8 +139,9 @@ class TmsTrainerMemory(TrainerMemory):
             torch.cuda.empty_cache()
 
         freed = self.state_bytes + (0 if self._grads_paused else self.grad_bytes)
-        report = self._timed("sleep", call, bytes_to_host=self.state_bytes, host_allocated=self.state_bytes,
-                             device_freed=freed)
+        report = self._timed(
+            "sleep", call, bytes_to_host=self.state_bytes, host_allocated=self.state_bytes, device_freed=freed
+        )
         self._asleep = True
         self._grads_paused = bool(self.grad_bytes)
         self._cache_held = False
@@ -143,8 +156,13 @@ class TmsTrainerMemory(TrainerMemory):
             if self.grad_bytes:
                 self.tms.resume(self.grad_tag)
 
-        report = self._timed("wake_up", call, bytes_to_device=self.state_bytes, host_freed=self.state_bytes,
-                             device_allocated=self.state_bytes + self.grad_bytes)
+        report = self._timed(
+            "wake_up",
+            call,
+            bytes_to_device=self.state_bytes,
+            host_freed=self.state_bytes,
+            device_allocated=self.state_bytes + self.grad_bytes,
+        )
         self._asleep = False
         self._grads_paused = False
         self._cache_held = True

@@ -101,8 +101,11 @@ class TorchEngineMemory(EngineMemory):
         return frozenset(held)
 
     def region_bytes(self) -> dict[Region, int]:
-        return {Region.ENGINE_WEIGHTS: self._weight_bytes, Region.ENGINE_MIRROR: self._weight_bytes,
-                Region.ENGINE_KV: self._kv_bytes}
+        return {
+            Region.ENGINE_WEIGHTS: self._weight_bytes,
+            Region.ENGINE_MIRROR: self._weight_bytes,
+            Region.ENGINE_KV: self._kv_bytes,
+        }
 
     def footprint(self) -> Footprint:
         device = self._weights.inflight_bytes + self._kv.inflight_bytes
@@ -142,7 +145,10 @@ class TorchEngineMemory(EngineMemory):
         from_mirror = self._weights.backed_up
         hook = self.after_weights_onload
         return self._onload(
-            "onload_weights", self._weights, "weights already resident", peak=True,
+            "onload_weights",
+            self._weights,
+            "weights already resident",
+            peak=True,
             after=None if hook is None else (lambda: hook(from_mirror)),
             note="" if from_mirror else "no mirror: weights are zeros; sync them from the trainer before generating",
         )
@@ -150,8 +156,16 @@ class TorchEngineMemory(EngineMemory):
     def onload_kv(self) -> OpReport:
         return self._onload("onload_kv", self._kv, "KV cache already allocated", after=self.after_kv_onload)
 
-    def _onload(self, op: str, stash: TensorStash, resident: str, *, after: Callable[[], None] | None,
-                peak: bool = False, note: str = "") -> OpReport:
+    def _onload(
+        self,
+        op: str,
+        stash: TensorStash,
+        resident: str,
+        *,
+        after: Callable[[], None] | None,
+        peak: bool = False,
+        note: str = "",
+    ) -> OpReport:
         """Restore ``stash`` (from its mirror, else zeros), then run the engine's ``after`` hook."""
         if not stash.offloaded:
             return self._noop(op, resident)

@@ -147,7 +147,9 @@ class TorchTrainerMemory(TrainerMemory):
         return frozenset(held)
 
     def region_bytes(self) -> dict[Region, int]:
-        state = self._state.offloaded_bytes if self._state is not None and self._state.offloaded else self._last_state_bytes
+        state = (
+            self._state.offloaded_bytes if self._state is not None and self._state.offloaded else self._last_state_bytes
+        )
         return {
             Region.TRAINER_STATE: state,
             Region.TRAINER_BACKUP: state,
@@ -174,8 +176,10 @@ class TorchTrainerMemory(TrainerMemory):
         if self.loaded:
             return self._noop("load", "already loaded")
         if self.loader is None:
-            raise ConfigError(f"{self.name}: no model to load; pass loader= (a callable that builds the model "
-                              f"and optimizer on the device) to TorchTrainerMemory")
+            raise ConfigError(
+                f"{self.name}: no model to load; pass loader= (a callable that builds the model "
+                f"and optimizer on the device) to TorchTrainerMemory"
+            )
         started = time.perf_counter()
         self.model, self.optimizer = self.loader()
         self._cache_held = True
@@ -220,7 +224,9 @@ class TorchTrainerMemory(TrainerMemory):
         if state.offloaded or grads.offloaded:
             return self._noop("offload_grad_buffer", "grad buffer already off the device")
         if self.backup_grads:
-            return self._noop("offload_grad_buffer", "backup_grads=True: gradients are backed up with the state at sleep")
+            return self._noop(
+                "offload_grad_buffer", "backup_grads=True: gradients are backed up with the state at sleep"
+            )
         started = time.perf_counter()
         self._last_grad_bytes = storage_bytes(self.grad_tensors())
         stats = grads.offload(list(self.grad_tensors()), backup=False)

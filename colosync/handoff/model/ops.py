@@ -119,8 +119,9 @@ def effect(op: Op, held: frozenset[Region], backup: bool = True) -> tuple[frozen
     elif op is Op.TRAINER_CLEAR_MEMORY:
         free = {R.TRAINER_CACHE} & held
     else:
-        raise PlanError(f"unknown operation {op!r}; pass one of the Op members {[o.value for o in Op]} "
-                        f"(Op(name) converts a name)")
+        raise PlanError(
+            f"unknown operation {op!r}; pass one of the Op members {[o.value for o in Op]} (Op(name) converts a name)"
+        )
     return frozenset(alloc), frozenset(free)
 
 

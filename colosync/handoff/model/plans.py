@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from colosync.errors import PlanError
 from colosync.handoff.model.ops import HOST_COPIES, Op, Region, effect
-
 
 PeakDevice = Literal["cpu", "gpu"]
 PEAK_DEVICES: tuple[str, ...] = get_args(PeakDevice)
@@ -62,8 +61,11 @@ class HandoffConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{list(PEAK_DEVICES)} ('cpu' is the usual order, 'gpu' overlaps on the GPU)"
             )
         if self.peak_device == "gpu" and not (self.trainer_offload and self.engine_offload):
-            missing = [n for n, on in (("trainer_offload", self.trainer_offload),
-                                       ("engine_offload", self.engine_offload)) if not on]
+            missing = [
+                n
+                for n, on in (("trainer_offload", self.trainer_offload), ("engine_offload", self.engine_offload))
+                if not on
+            ]
             raise PlanError(
                 f"peak_device='gpu' reorders the trainer's and the engine's offloads so their host "
                 f"copies never coexist; it needs both, but {' and '.join(missing)} "
@@ -134,7 +136,7 @@ class Plan(msgspec.Struct, frozen=True):
             raw = phases.get(name, phases.get(name.value, ()))
             ops: list[tuple[Op, bool]] = []
             for item in raw:
-                op, backup = (item if isinstance(item, tuple) else (item, config.engine_weight_backup))
+                op, backup = item if isinstance(item, tuple) else (item, config.engine_weight_backup)
                 try:
                     ops.append((Op(op), bool(backup)))
                 except ValueError:
@@ -182,21 +184,49 @@ _WHY: dict[tuple[str, PhaseName, Op], str] = {
     ("cpu", PhaseName.INIT, Op.ENGINE_ONLOAD_KV): "KV cache back for the first rollout",
     ("cpu", PhaseName.ROLLOUT_TO_TRAIN, Op.ENGINE_OFFLOAD_KV): "drop the KV cache and CUDA graphs",
     ("cpu", PhaseName.ROLLOUT_TO_TRAIN, Op.ENGINE_OFFLOAD_WEIGHTS): "engine weights to the host mirror",
-    ("cpu", PhaseName.ROLLOUT_TO_TRAIN, Op.TRAINER_WAKE_UP): "trainer state back (mirror and backup coexist until it frees)",
+    (
+        "cpu",
+        PhaseName.ROLLOUT_TO_TRAIN,
+        Op.TRAINER_WAKE_UP,
+    ): "trainer state back (mirror and backup coexist until it frees)",
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.TRAINER_SLEEP): "trainer state to the host (mirror and backup coexist)",
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_WEIGHTS): "engine weights back from the mirror",
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_KV): "KV cache back for rollout",
     ("gpu", PhaseName.INIT, Op.ENGINE_OFFLOAD_KV): "drop the KV cache; weights stay resident",
-    ("gpu", PhaseName.INIT, Op.TRAINER_LOAD): "load the trainer next to the resident engine weights (no mirror beside the load)",
+    (
+        "gpu",
+        PhaseName.INIT,
+        Op.TRAINER_LOAD,
+    ): "load the trainer next to the resident engine weights (no mirror beside the load)",
     ("gpu", PhaseName.INIT, Op.TRAINER_SLEEP): "trainer state to the host (the only host copy)",
     ("gpu", PhaseName.INIT, Op.ENGINE_ONLOAD_KV): "KV cache back for the first rollout",
     ("gpu", PhaseName.ROLLOUT_TO_TRAIN, Op.ENGINE_OFFLOAD_KV): "drop the KV cache and CUDA graphs (pure device memory)",
-    ("gpu", PhaseName.ROLLOUT_TO_TRAIN, Op.TRAINER_WAKE_UP): "wake the trainer while engine weights are still resident; its backup frees",
-    ("gpu", PhaseName.ROLLOUT_TO_TRAIN, Op.ENGINE_OFFLOAD_WEIGHTS): "release the weights; their mirror replaces the trainer's freed backup",
+    (
+        "gpu",
+        PhaseName.ROLLOUT_TO_TRAIN,
+        Op.TRAINER_WAKE_UP,
+    ): "wake the trainer while engine weights are still resident; its backup frees",
+    (
+        "gpu",
+        PhaseName.ROLLOUT_TO_TRAIN,
+        Op.ENGINE_OFFLOAD_WEIGHTS,
+    ): "release the weights; their mirror replaces the trainer's freed backup",
     ("gpu", PhaseName.TRAIN_TO_ROLLOUT, Op.TRAINER_CLEAR_MEMORY): "return the trainer's allocator caches to the device",
-    ("gpu", PhaseName.TRAIN_TO_ROLLOUT, Op.TRAINER_OFFLOAD_GRAD_BUFFER): "return the no-backup grad buffer to the device",
-    ("gpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_WEIGHTS): "resume the engine weights next to the trainer; the mirror frees",
-    ("gpu", PhaseName.TRAIN_TO_ROLLOUT, Op.TRAINER_SLEEP): "only now the trainer sleeps, into the space the mirror vacated",
+    (
+        "gpu",
+        PhaseName.TRAIN_TO_ROLLOUT,
+        Op.TRAINER_OFFLOAD_GRAD_BUFFER,
+    ): "return the no-backup grad buffer to the device",
+    (
+        "gpu",
+        PhaseName.TRAIN_TO_ROLLOUT,
+        Op.ENGINE_ONLOAD_WEIGHTS,
+    ): "resume the engine weights next to the trainer; the mirror frees",
+    (
+        "gpu",
+        PhaseName.TRAIN_TO_ROLLOUT,
+        Op.TRAINER_SLEEP,
+    ): "only now the trainer sleeps, into the space the mirror vacated",
     ("gpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_KV): "KV cache back for rollout",
 }
 
@@ -217,10 +247,10 @@ def _ordered(regions: frozenset[Region] | set[Region]) -> tuple[Region, ...]:
     return tuple(r for r in Region if r in regions)
 
 
-def build_plan(config: HandoffConfig | None = None, **options: object) -> Plan:
+def build_plan(config: HandoffConfig | None = None, **options: Any) -> Plan:
     """The built-in plan for ``config`` (or ``HandoffConfig(**options)``), validated."""
     if config is None:
-        config = HandoffConfig(**options)  # type: ignore[arg-type]
+        config = HandoffConfig(**options)
     elif options:
         raise PlanError("give either a HandoffConfig or keyword options, not both")
     b = config.engine_weight_backup
@@ -266,7 +296,9 @@ def validate_plan(plan: Plan) -> None:
     config = plan.config
     names = [p.name for p in plan.phases]
     if sorted(n.value for n in names) != sorted(p.value for p in PhaseName):
-        raise PlanError(f"a plan needs exactly the phases {[p.value for p in PhaseName]}, got {[n.value for n in names]}")
+        raise PlanError(
+            f"a plan needs exactly the phases {[p.value for p in PhaseName]}, got {[n.value for n in names]}"
+        )
     for phase in plan.phases:
         held = start_state(config, phase.name)
         if set(phase.start) != held:
@@ -283,7 +315,9 @@ def validate_plan(plan: Plan) -> None:
                 )
             alloc, free = effect(step.op, held, step.backup)
             if not alloc and not free:
-                raise PlanError(f"{where} does nothing: it needs a state it is not in (holding {_names(held)}); remove or move it")
+                raise PlanError(
+                    f"{where} does nothing: it needs a state it is not in (holding {_names(held)}); remove or move it"
+                )
             if set(step.allocates) != alloc or set(step.frees) != free:
                 raise PlanError(
                     f"{where}: declares allocates={_names(step.allocates)} frees={_names(step.frees)} but from "
@@ -309,7 +343,9 @@ def validate_plan(plan: Plan) -> None:
                 f"(missing {_names(want - held)}, extra {_names(held - want)})"
             )
         if set(phase.end) != held:
-            raise PlanError(f"phase {phase.name.value}: declared end {_names(phase.end)} but the steps end at {_names(held)}")
+            raise PlanError(
+                f"phase {phase.name.value}: declared end {_names(phase.end)} but the steps end at {_names(held)}"
+            )
 
 
 def _names(regions: Sequence[Region] | frozenset[Region] | set[Region]) -> list[str]:

@@ -204,29 +204,57 @@ def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
     rows: list[TimelineRow] = []
     budget, gpu = sizes.host_budget_bytes, sizes.gpu_bytes
     start_host, start_dev = sizes.host_bytes(held), sizes.device_bytes(held)
-    rows.append(TimelineRow("start", 0, "start", "engine up, trainer not loaded", start_host, start_host, start_host,
-                            start_dev, start_dev, start_dev, _copies(held),
-                            budget is not None and start_host > budget, gpu is not None and start_dev > gpu))
+    rows.append(
+        TimelineRow(
+            "start",
+            0,
+            "start",
+            "engine up, trainer not loaded",
+            start_host,
+            start_host,
+            start_host,
+            start_dev,
+            start_dev,
+            start_dev,
+            _copies(held),
+            budget is not None and start_host > budget,
+            gpu is not None and start_dev > gpu,
+        )
+    )
     for phase in phases:
         for i, step in enumerate(phase.steps, 1):
             alloc, free = effect(step.op, held, step.backup)
             peak = held | alloc
             after = peak - free
             hp, dp = sizes.host_bytes(peak), sizes.device_bytes(peak)
-            rows.append(TimelineRow(
-                phase=phase.name.value, index=i, step=step.label, why=step.why,
-                host_before=sizes.host_bytes(held), host_peak=hp, host_after=sizes.host_bytes(after),
-                device_before=sizes.device_bytes(held), device_peak=dp, device_after=sizes.device_bytes(after),
-                host_copies=_copies(peak),
-                over_host=budget is not None and hp > budget, over_device=gpu is not None and dp > gpu,
-            ))
+            rows.append(
+                TimelineRow(
+                    phase=phase.name.value,
+                    index=i,
+                    step=step.label,
+                    why=step.why,
+                    host_before=sizes.host_bytes(held),
+                    host_peak=hp,
+                    host_after=sizes.host_bytes(after),
+                    device_before=sizes.device_bytes(held),
+                    device_peak=dp,
+                    device_after=sizes.device_bytes(after),
+                    host_copies=_copies(peak),
+                    over_host=budget is not None and hp > budget,
+                    over_device=gpu is not None and dp > gpu,
+                )
+            )
             held = after
     host_row = max(rows, key=lambda r: r.host_peak)
     dev_row = max(rows, key=lambda r: r.device_peak)
     return Simulation(
-        peak_device=plan.peak_device, sizes=sizes, rows=rows,
-        host_peak=host_row.host_peak, device_peak=dev_row.device_peak,
-        host_peak_step=f"{host_row.phase}:{host_row.step}", device_peak_step=f"{dev_row.phase}:{dev_row.step}",
+        peak_device=plan.peak_device,
+        sizes=sizes,
+        rows=rows,
+        host_peak=host_row.host_peak,
+        device_peak=dev_row.device_peak,
+        host_peak_step=f"{host_row.phase}:{host_row.step}",
+        device_peak_step=f"{dev_row.phase}:{dev_row.step}",
         both_host_copies=any(len(r.host_copies) == len(HOST_COPIES) for r in rows),
     )
 
@@ -254,8 +282,9 @@ class Comparison:
         }
 
 
-def compare(sizes: HandoffSizes, *, cycles: int = 1, modes: tuple[str, ...] = PEAK_DEVICES,
-            config: HandoffConfig | None = None) -> Comparison:
+def compare(
+    sizes: HandoffSizes, *, cycles: int = 1, modes: tuple[str, ...] = PEAK_DEVICES, config: HandoffConfig | None = None
+) -> Comparison:
     """Simulate each mode in ``modes`` and recommend one that fits."""
     base = config or HandoffConfig()
     sims: dict[str, Simulation] = {}
@@ -292,11 +321,15 @@ def _recommend(sims: dict[str, Simulation], sizes: HandoffSizes) -> tuple[str | 
 def _shortfall(mode: str, sim: Simulation, sizes: HandoffSizes) -> str:
     parts = []
     if not sim.fits_host:
-        parts.append(f"host peak {_gb(sim.host_peak)} at {sim.host_peak_step} is "
-                     f"{_gb(sim.host_peak - (sizes.host_budget_bytes or 0))} over the {_gb(sizes.host_budget_bytes or 0)} budget")
+        parts.append(
+            f"host peak {_gb(sim.host_peak)} at {sim.host_peak_step} is "
+            f"{_gb(sim.host_peak - (sizes.host_budget_bytes or 0))} over the {_gb(sizes.host_budget_bytes or 0)} budget"
+        )
     if not sim.fits_device:
-        parts.append(f"GPU peak {_gb(sim.device_peak)} at {sim.device_peak_step} is "
-                     f"{_gb(sim.device_peak - (sizes.gpu_bytes or 0))} over the {_gb(sizes.gpu_bytes or 0)} GPU")
+        parts.append(
+            f"GPU peak {_gb(sim.device_peak)} at {sim.device_peak_step} is "
+            f"{_gb(sim.device_peak - (sizes.gpu_bytes or 0))} over the {_gb(sizes.gpu_bytes or 0)} GPU"
+        )
     return f"'{mode}': " + (", ".join(parts) if parts else "fits")
 
 

@@ -41,6 +41,7 @@ import torch
 from colosync.errors import HandoffError, HandoffInvariantError
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.model.ops import HOST_COPIES, Op, Place, Region, effect
+from colosync.handoff.model.plans import Phase, PhaseName, Plan, Step, _names, start_state
 from colosync.handoff.runtime.participants import (
     EngineMemory,
     Footprint,
@@ -48,7 +49,6 @@ from colosync.handoff.runtime.participants import (
     OpReport,
     TrainerMemory,
 )
-from colosync.handoff.model.plans import Phase, PhaseName, Plan, Step, _names, start_state
 from colosync.handoff.runtime.sampling import DeviceSampler, HostSampler, PeakWatcher, trim_host_allocator
 
 log = logging.getLogger(__name__)
@@ -118,17 +118,21 @@ class NoCoexistingHostCopies(Invariant):
         m = ctx.measurement
         mirror, backup = ctx.sizes.get(Region.ENGINE_MIRROR, 0), ctx.sizes.get(Region.TRAINER_BACKUP, 0)
         if m.held >= HOST_COPIES:
-            return (f"the engine mirror ({_gb(mirror)}) and the trainer backup ({_gb(backup)}) are both on the host "
-                    f"(participants account {_gb(m.logical_host)} of host copies)")
+            return (
+                f"the engine mirror ({_gb(mirror)}) and the trainer backup ({_gb(backup)}) are both on the host "
+                f"(participants account {_gb(m.logical_host)} of host copies)"
+            )
         # A pool reserved up front for the larger copy holds it from the start, before that
         # copy's size is known (expected_host_copies_max starts at the reserved bytes).
         larger = max(mirror, backup, ctx.expected_host_copies_max)
         limit = int(larger * (1 + self.tolerance)) + self.slack_bytes
         if m.host_copies > limit:
-            return (f"measured host copies {_gb(m.host_copies)} exceed the larger single copy "
-                    f"max(mirror {_gb(mirror)}, backup {_gb(backup)}) by more than {self.tolerance:.0%} "
-                    f"+ {self.slack_bytes // MiB} MiB (limit {_gb(limit)}): two copies coexist on the host — e.g. "
-                    f"separate host pools that keep their chunks; share one HostPool between trainer and engine")
+            return (
+                f"measured host copies {_gb(m.host_copies)} exceed the larger single copy "
+                f"max(mirror {_gb(mirror)}, backup {_gb(backup)}) by more than {self.tolerance:.0%} "
+                f"+ {self.slack_bytes // MiB} MiB (limit {_gb(limit)}): two copies coexist on the host — e.g. "
+                f"separate host pools that keep their chunks; share one HostPool between trainer and engine"
+            )
         return None
 
 
@@ -137,8 +141,9 @@ class WithinSimulation(Invariant):
 
     name = "within-simulation"
 
-    def __init__(self, tolerance: float = 0.05, host_slack_bytes: int = 32 * MiB,
-                 device_slack_bytes: int = 512 * MiB) -> None:
+    def __init__(
+        self, tolerance: float = 0.05, host_slack_bytes: int = 32 * MiB, device_slack_bytes: int = 512 * MiB
+    ) -> None:
         self.tolerance = tolerance
         self.host_slack_bytes = host_slack_bytes
         self.device_slack_bytes = device_slack_bytes
@@ -149,14 +154,18 @@ class WithinSimulation(Invariant):
             return None  # the load's host staging is not declared: nothing to compare with
         limit = int(ctx.expected_host_copies_max * (1 + self.tolerance)) + self.host_slack_bytes
         if m.host_copies > limit:
-            return (f"measured host copies {_gb(m.host_copies)} exceed the simulated peak so far "
-                    f"{_gb(ctx.expected_host_copies_max)} (+{self.tolerance:.0%} + {self.host_slack_bytes // MiB} MiB "
-                    f"= {_gb(limit)})")
+            return (
+                f"measured host copies {_gb(m.host_copies)} exceed the simulated peak so far "
+                f"{_gb(ctx.expected_host_copies_max)} (+{self.tolerance:.0%} + {self.host_slack_bytes // MiB} MiB "
+                f"= {_gb(limit)})"
+            )
         if ctx.device_measured:
             dev_limit = ctx.device_baseline + int(ctx.expected_device * (1 + self.tolerance)) + self.device_slack_bytes
             if m.device > dev_limit:
-                return (f"measured device {_gb(m.device)} exceeds baseline {_gb(ctx.device_baseline)} + simulated "
-                        f"{_gb(ctx.expected_device)} (+{self.tolerance:.0%} + {self.device_slack_bytes // MiB} MiB)")
+                return (
+                    f"measured device {_gb(m.device)} exceeds baseline {_gb(ctx.device_baseline)} + simulated "
+                    f"{_gb(ctx.expected_device)} (+{self.tolerance:.0%} + {self.device_slack_bytes // MiB} MiB)"
+                )
         return None
 
 
@@ -173,14 +182,18 @@ class MatchesPlan(Invariant):
         want = ctx.expected_held & observable
         have = ctx.measurement.held & observable
         if want != have:
-            return (f"the plan expects {_names(want)} to be held after this step but the participants hold "
-                    f"{_names(have)} (missing {_names(want - have)}, unexpected {_names(have - want)})")
+            return (
+                f"the plan expects {_names(want)} to be held after this step but the participants hold "
+                f"{_names(have)} (missing {_names(want - have)}, unexpected {_names(have - want)})"
+            )
         if ctx.report is not None and ctx.expected_effect is not None:
             alloc, free = ctx.expected_effect
             observable_effect = (alloc | free) & observable
             if observable_effect and ctx.report.noop:
-                return (f"the plan expects this step to allocate {_names(alloc)} and free {_names(free)}, but the "
-                        f"participant reported nothing to do ({ctx.report.note})")
+                return (
+                    f"the plan expects this step to allocate {_names(alloc)} and free {_names(free)}, but the "
+                    f"participant reported nothing to do ({ctx.report.note})"
+                )
         return None
 
 
@@ -238,8 +251,10 @@ class Violation:
     figures: dict[str, int]
 
     def __str__(self) -> str:
-        return (f"invariant {self.invariant} broke at {self.phase} step {self.index} {self.step} ({self.moment}): "
-                f"{self.message}")
+        return (
+            f"invariant {self.invariant} broke at {self.phase} step {self.index} {self.step} ({self.moment}): "
+            f"{self.message}"
+        )
 
 
 @dataclass
@@ -344,7 +359,9 @@ class HandoffExecutor:
         self.host_slack_bytes = host_slack_bytes
         self.host = HostSampler()
         self.device = DeviceSampler()
-        self._device_measured = self.device.enabled and any(p.footprint().device_type == "cuda" for p in self.participants)
+        self._device_measured = self.device.enabled and any(
+            p.footprint().device_type == "cuda" for p in self.participants
+        )
         self.watch_interval_s = watch_interval_s
         self._given_baseline = baseline_host_bytes
         self.result: ExecutionResult | None = None
@@ -387,7 +404,10 @@ class HandoffExecutor:
             device = sum(fp.device_bytes for fp in fps)
         return Measurement(
             host_copies=h.value - result.baseline_host - cpu_device,
-            host_abs=h.value, device=device, logical_host=logical_host, held=self._held_now(),
+            host_abs=h.value,
+            device=device,
+            logical_host=logical_host,
+            held=self._held_now(),
         )
 
     def _start(self, plan: Plan) -> ExecutionResult:
@@ -416,13 +436,22 @@ class HandoffExecutor:
         return self.result
 
     def invariants(self, plan: Plan) -> list[Invariant]:
-        base = self._invariants if self._invariants is not None else default_invariants(
-            plan, tolerance=self.tolerance, host_slack_bytes=self.host_slack_bytes)
+        base = (
+            self._invariants
+            if self._invariants is not None
+            else default_invariants(plan, tolerance=self.tolerance, host_slack_bytes=self.host_slack_bytes)
+        )
         return [*base, *self.extra_invariants]
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, plan: Plan, *, cycles: int = 1, include_init: bool = True,
-            between: Callable[[PhaseName], None] | None = None) -> ExecutionResult:
+    def run(
+        self,
+        plan: Plan,
+        *,
+        cycles: int = 1,
+        include_init: bool = True,
+        between: Callable[[PhaseName], None] | None = None,
+    ) -> ExecutionResult:
         """Run init (optionally) and ``cycles`` rollout->train->rollout rounds of ``plan``.
         ``between(phase)`` runs after each phase (training or generation work goes there)."""
         result = self._start(plan)
@@ -448,8 +477,16 @@ class HandoffExecutor:
     def _participant(self, op: Op) -> MemoryParticipant | None:
         return self.trainer if op.actor == "trainer" else self.engine
 
-    def _run_step(self, result: ExecutionResult, plan: Plan, phase: Phase, index: int, step: Step,
-                  expected: frozenset[Region], invariants: list[Invariant]) -> None:
+    def _run_step(
+        self,
+        result: ExecutionResult,
+        plan: Plan,
+        phase: Phase,
+        index: int,
+        step: Step,
+        expected: frozenset[Region],
+        invariants: list[Invariant],
+    ) -> None:
         op, backup, label = step.op, step.backup, step.label
         participant = self._participant(op)
         alloc, free = effect(op, expected, backup)
@@ -459,14 +496,25 @@ class HandoffExecutor:
         exp_dev = sum(sizes.get(r, 0) for r in exp_peak if r.place is Place.DEVICE)
         self._sim_host_max = max(self._sim_host_max, exp_host)
 
-        def context(moment: str, m: Measurement, report: OpReport | None = None,
-                    held: frozenset[Region] = exp_peak) -> CheckContext:
+        def context(
+            moment: str, m: Measurement, report: OpReport | None = None, held: frozenset[Region] = exp_peak
+        ) -> CheckContext:
             return CheckContext(
-                plan=plan, phase=phase.name.value, index=index, step=label, moment=moment, measurement=m,
-                expected_held=held, expected_host_copies=exp_host, expected_host_copies_max=self._sim_host_max,
-                expected_device=exp_dev, sizes=self._sizes(),
+                plan=plan,
+                phase=phase.name.value,
+                index=index,
+                step=label,
+                moment=moment,
+                measurement=m,
+                expected_held=held,
+                expected_host_copies=exp_host,
+                expected_host_copies_max=self._sim_host_max,
+                expected_device=exp_dev,
+                sizes=self._sizes(),
                 device_baseline=result.baseline_device,
-                device_measured=self._device_measured, report=report, expected_effect=(alloc, free),
+                device_measured=self._device_measured,
+                report=report,
+                expected_effect=(alloc, free),
             )
 
         def check(ctx: CheckContext) -> None:
@@ -474,13 +522,24 @@ class HandoffExecutor:
                 message = inv.check(ctx)
                 if message:
                     m = ctx.measurement
-                    self._pending.append(Violation(
-                        invariant=inv.name, phase=ctx.phase, index=index, step=label, moment=ctx.moment,
-                        message=message,
-                        figures={"host_copies_bytes": m.host_copies, "host_abs_bytes": m.host_abs,
-                                 "device_bytes": m.device, "logical_host_bytes": m.logical_host,
-                                 "expected_host_copies_bytes": exp_host, "expected_device_bytes": exp_dev},
-                    ))
+                    self._pending.append(
+                        Violation(
+                            invariant=inv.name,
+                            phase=ctx.phase,
+                            index=index,
+                            step=label,
+                            moment=ctx.moment,
+                            message=message,
+                            figures={
+                                "host_copies_bytes": m.host_copies,
+                                "host_abs_bytes": m.host_abs,
+                                "device_bytes": m.device,
+                                "logical_host_bytes": m.logical_host,
+                                "expected_host_copies_bytes": exp_host,
+                                "expected_device_bytes": exp_dev,
+                            },
+                        )
+                    )
 
         marks: list[Measurement] = []
 
@@ -518,23 +577,48 @@ class HandoffExecutor:
             if w_host:
                 host_abs_peak = max(host_abs_peak, w_host)
                 host_peak = max(host_peak, w_host - result.baseline_host)
-            dev_peak = max(dev_peak, w_dev,
-                           before.device - reserved_before + torch.cuda.max_memory_reserved(self.device.device))
-            sampled_peak = Measurement(host_copies=host_peak, host_abs=host_abs_peak, device=dev_peak,
-                                       logical_host=after.logical_host, held=after.held & before.held)
+            dev_peak = max(
+                dev_peak, w_dev, before.device - reserved_before + torch.cuda.max_memory_reserved(self.device.device)
+            )
+            sampled_peak = Measurement(
+                host_copies=host_peak,
+                host_abs=host_abs_peak,
+                device=dev_peak,
+                logical_host=after.logical_host,
+                held=after.held & before.held,
+            )
             check(context("peak", sampled_peak))
         expected_after = (expected | alloc) - free
         check(context("after", after, report, expected_after))
-        result.records.append(StepRecord(
-            phase=phase.name.value, index=index, step=label, why=step.why, report=report,
-            held_after=[r.value for r in Region if r in after.held],
-            host_before=before.host_copies, host_peak=host_peak, host_after=after.host_copies,
-            host_abs_peak=host_abs_peak,
-            device_before=before.device, device_peak=dev_peak, device_after=after.device,
-            expected_host_peak=exp_host, expected_device_peak=exp_dev, seconds=seconds,
-        ))
-        log.info("%s step %d %s: host copies %.3f GB peak, device %.3f GB peak, %.3f s",
-                 phase.name.value, index, label, host_peak / 1e9, dev_peak / 1e9, seconds)
+        result.records.append(
+            StepRecord(
+                phase=phase.name.value,
+                index=index,
+                step=label,
+                why=step.why,
+                report=report,
+                held_after=[r.value for r in Region if r in after.held],
+                host_before=before.host_copies,
+                host_peak=host_peak,
+                host_after=after.host_copies,
+                host_abs_peak=host_abs_peak,
+                device_before=before.device,
+                device_peak=dev_peak,
+                device_after=after.device,
+                expected_host_peak=exp_host,
+                expected_device_peak=exp_dev,
+                seconds=seconds,
+            )
+        )
+        log.info(
+            "%s step %d %s: host copies %.3f GB peak, device %.3f GB peak, %.3f s",
+            phase.name.value,
+            index,
+            label,
+            host_peak / 1e9,
+            dev_peak / 1e9,
+            seconds,
+        )
         if self._pending:
             found, self._pending = self._pending, []
             result.violations.extend(found)

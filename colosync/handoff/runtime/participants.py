@@ -56,7 +56,8 @@ class OpReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 COUNTERS: tuple[str, ...] = tuple(
-    f for f in OpReport.__struct_fields__ if f not in ("participant", "op", "noop", "seconds", "note"))
+    f for f in OpReport.__struct_fields__ if f not in ("participant", "op", "noop", "seconds", "note")
+)
 """The byte counts of an ``OpReport``: what a participant's helpers add up for it."""
 
 
@@ -107,15 +108,17 @@ class MemoryParticipant(abc.ABC):
         """Perform ``op`` (one of this participant's operations)."""
         if op.actor != self.actor:
             raise UnsupportedOperation(
-                f"{op.value} is not an operation of the {self.actor} ({self.name!r}); run it on the {op.actor}")
+                f"{op.value} is not an operation of the {self.actor} ({self.name!r}); run it on the {op.actor}"
+            )
         method = getattr(self, op.method)
         return method(backup) if op is Op.ENGINE_OFFLOAD_WEIGHTS else method()
 
     def _report(self, op: str, started: float, **fields: Any) -> OpReport:
         return OpReport(participant=self.name, op=op, seconds=time.perf_counter() - started, **fields)
 
-    def _report_moves(self, op: str, started: float, moves: OpReport, *, note: str = "",
-                      device_freed: int = 0) -> OpReport:
+    def _report_moves(
+        self, op: str, started: float, moves: OpReport, *, note: str = "", device_freed: int = 0
+    ) -> OpReport:
         """This participant's report of ``op`` from the byte counts of what a helper did
         (``moves``, e.g. a ``TensorStash``'s), plus ``device_freed`` bytes freed besides."""
         counts = {name: getattr(moves, name) for name in COUNTERS}

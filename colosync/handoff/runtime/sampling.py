@@ -17,16 +17,19 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 try:  # psutil is a dependency, but a bare GPU host may lack it: fall back to /proc
     import psutil
 except ImportError:  # pragma: no cover - exercised only where psutil is missing
-    psutil = None  # type: ignore[assignment]
+    psutil = None  # type: ignore[assignment]  # None marks it missing; callers check before use
 
+if TYPE_CHECKING:
+    import ctypes
 
-_libc = None
+_libc: ctypes.CDLL | Literal[False] | None = None  # None: not loaded yet; False: no glibc here
 
 
 def trim_host_allocator() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ def _make_tensors(size_bytes: int, tensors: int, device: torch.device, dtype: to
     return out
 
 
-def _checksum(ts: list[torch.Tensor]) -> list[float]:
+def _checksum(ts: Sequence[torch.Tensor]) -> list[float]:
     picks = [ts[0], ts[len(ts) // 2], ts[-1]]
     return [float(t.float().sum().item()) for t in picks]
 
@@ -71,8 +71,15 @@ def pinned_copy_rate(device: torch.device, nbytes: int, repeats: int = 5, pool: 
     return {"bytes": nbytes, "d2h_gbps": statistics.median(d2h), "h2d_gbps": statistics.median(h2d)}
 
 
-def bench_torch(size_bytes: int, tensors: int, device: torch.device, dtype: torch.dtype, repeats: int,
-                chunk_bytes: int, progress: Progress) -> dict[str, Any]:
+def bench_torch(
+    size_bytes: int,
+    tensors: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    chunk_bytes: int,
+    progress: Progress,
+) -> dict[str, Any]:
     from colosync.handoff.backends.host_pool import HostPool
     from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
@@ -103,15 +110,25 @@ def bench_torch(size_bytes: int, tensors: int, device: torch.device, dtype: torc
     del model, params, trainer
     pool.close()
     return {
-        "backend": "torch", "available": True, "bytes": nbytes, "tensors": tensors, "dtype": str(dtype),
-        "pool_reserve_seconds": reserve_s, "sleep_gbps_median": statistics.median(sleeps),
-        "wake_gbps_median": statistics.median(wakes), "sleep_gbps": sleeps, "wake_gbps": wakes,
-        "first_cycle": first, "verified": ok, "reference_pinned_copy": ref,
+        "backend": "torch",
+        "available": True,
+        "bytes": nbytes,
+        "tensors": tensors,
+        "dtype": str(dtype),
+        "pool_reserve_seconds": reserve_s,
+        "sleep_gbps_median": statistics.median(sleeps),
+        "wake_gbps_median": statistics.median(wakes),
+        "sleep_gbps": sleeps,
+        "wake_gbps": wakes,
+        "first_cycle": first,
+        "verified": ok,
+        "reference_pinned_copy": ref,
     }
 
 
-def bench_tms(size_bytes: int, tensors: int, device: torch.device, dtype: torch.dtype, repeats: int,
-              progress: Progress) -> dict[str, Any]:
+def bench_tms(
+    size_bytes: int, tensors: int, device: torch.device, dtype: torch.dtype, repeats: int, progress: Progress
+) -> dict[str, Any]:
     from colosync.handoff.backends.tms_trainer import TmsTrainerMemory, tms_available
 
     ok, why = tms_available() if device.type == "cuda" else (False, "torch_memory_saver needs CUDA")
@@ -121,7 +138,7 @@ def bench_tms(size_bytes: int, tensors: int, device: torch.device, dtype: torch.
         import importlib.metadata as md
 
         version = md.version("torch_memory_saver")
-    except Exception:  # noqa: BLE001 - the version is informational
+    except Exception:  # the version is informational
         version = "unknown"
     trainer = TmsTrainerMemory(device=device)
     with trainer.state_region():
@@ -138,15 +155,32 @@ def bench_tms(size_bytes: int, tensors: int, device: torch.device, dtype: torch.
     verified = _checksum(ts) == before
     del ts
     return {
-        "backend": "torch_memory_saver", "available": True, "version": version, "bytes": nbytes, "tensors": tensors,
-        "dtype": str(dtype), "sleep_gbps_median": statistics.median(sleeps), "wake_gbps_median": statistics.median(wakes),
-        "sleep_gbps": sleeps, "wake_gbps": wakes, "verified": verified,
+        "backend": "torch_memory_saver",
+        "available": True,
+        "version": version,
+        "bytes": nbytes,
+        "tensors": tensors,
+        "dtype": str(dtype),
+        "sleep_gbps_median": statistics.median(sleeps),
+        "wake_gbps_median": statistics.median(wakes),
+        "sleep_gbps": sleeps,
+        "wake_gbps": wakes,
+        "verified": verified,
     }
 
 
-def run_bench(*, size_bytes: int, tensors: int = 400, device: str | None = None, dtype: torch.dtype = torch.bfloat16,
-              repeats: int = 5, backends: tuple[str, ...] = ("torch", "tms"), chunk_bytes: int | None = None,
-              progress: Progress | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+def run_bench(
+    *,
+    size_bytes: int,
+    tensors: int = 400,
+    device: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 5,
+    backends: tuple[str, ...] = ("torch", "tms"),
+    chunk_bytes: int | None = None,
+    progress: Progress | None = None,
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
     if chunk_bytes is None:  # 1 GiB chunks, smaller for small states (at most ~1/8 rounding waste)
         chunk_bytes = max(1 << 20, min(1 << 30, size_bytes // 8)) // 4096 * 4096
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -156,8 +190,13 @@ def run_bench(*, size_bytes: int, tensors: int = 400, device: str | None = None,
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
-    out = run_header(argv, device=dev) | {"device": str(dev), "size_bytes": size_bytes, "tensors": tensors,
-                                          "repeats": repeats, "results": []}
+    out = run_header(argv, device=dev) | {
+        "device": str(dev),
+        "size_bytes": size_bytes,
+        "tensors": tensors,
+        "repeats": repeats,
+        "results": [],
+    }
     for name in backends:
         if name == "torch":
             out["results"].append(bench_torch(size_bytes, tensors, dev, dtype, repeats, chunk_bytes, say))

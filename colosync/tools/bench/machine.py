@@ -27,8 +27,12 @@ def command_line(argv: Sequence[str] | None = None, prog: Sequence[str] = ("colo
 def gpu_driver(index: int = 0) -> str:
     """The NVIDIA driver version (``nvidia-smi``, else the CUDA driver API's), or ``unknown``."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(index)],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(index)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
@@ -37,7 +41,7 @@ def gpu_driver(index: int = 0) -> str:
         from colosync.transports.cuda_ipc import runtime
 
         return f"CUDA driver API {runtime().version('driver')}"
-    except Exception:  # noqa: BLE001 - the driver version is informational
+    except Exception:  # the driver version is informational
         return "unknown"
 
 
@@ -73,8 +77,9 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     return info
 
 
-def run_header(argv: Sequence[str] | None = None, *, prog: Sequence[str] = ("colosync",),
-               device: Any = None) -> dict[str, Any]:
+def run_header(
+    argv: Sequence[str] | None = None, *, prog: Sequence[str] = ("colosync",), device: Any = None
+) -> dict[str, Any]:
     """``{"command", "date", "machine"}``: the exact command (``command_line``), the UTC date
     and ``machine_info(device)``."""
     return {

@@ -14,9 +14,11 @@ is what is being measured against; colosync's own receive path never imports thi
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import pickle
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 import msgspec
@@ -28,7 +30,7 @@ from colosync.wire.manifest import dtype_from_name, dtype_name
 MODES = ("fresh_ipc", "pickle")
 
 
-def _engine(conn, device: str, mode: str) -> None:  # noqa: ANN001 - a Connection
+def _engine(conn: Connection, device: str, mode: str) -> None:
     torch.cuda.set_device(torch.device(device))
     own: dict[str, torch.Tensor] = {}
     while True:
@@ -81,6 +83,7 @@ class ReferencePath:
             for name, t in bucket:
                 metas.append((name, dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes))
                 offset += t.nbytes
+            payload: bytes | memoryview
             if self.mode == "fresh_ipc":
                 payload = ForkingPickler.dumps((flat, metas))  # a new CUDA IPC handle every time
             else:
@@ -88,21 +91,21 @@ class ReferencePath:
             self._conn.send_bytes(payload)
             reply = self._conn.recv_bytes()
             if reply != b"ok":
-                raise EngineError(f"reference engine ({self.mode}) answered {reply[:60]!r} to a bucket instead of b'ok'")
+                raise EngineError(
+                    f"reference engine ({self.mode}) answered {reply[:60]!r} to a bucket instead of b'ok'"
+                )
             del flat, payload
         return time.perf_counter() - start
 
     def digests(self) -> dict[str, int]:
         self._conn.send_bytes(b"digest")
         names, fps = msgspec.msgpack.decode(self._conn.recv_bytes())
-        return dict(zip(names, fps))
+        return dict(zip(names, fps, strict=False))
 
     def close(self) -> None:
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self._conn.send_bytes(b"stop")
-            except OSError:
-                pass
             self._process.join(30)
             if self._process.is_alive():
                 self._process.terminate()

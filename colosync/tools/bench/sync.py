@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -33,6 +33,12 @@ from colosync import workloads
 from colosync.errors import ColosyncError, ConfigError
 from colosync.tools.bench.machine import run_header
 from colosync.tools.subcommand import add_subcommand
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import JustifyMethod
+
+    from colosync.wire.manifest import LoraSpec
 
 DEFAULT_BUCKET_MB = {"cuda_ipc": 1024, "shm": 64}
 DEFAULT_SLOTS = {"cuda_ipc": 2, "shm": 2}
@@ -79,7 +85,9 @@ class BenchResult(msgspec.Struct):
 
 
 # -- workloads -------------------------------------------------------------------------------
-def load_sync_workload(name_or_path: str):  # noqa: ANN201 - (Workload, specs, LoraSpec | None)
+def load_sync_workload(
+    name_or_path: str,
+) -> tuple[Workload, list[tuple[str, tuple[int, ...], torch.dtype]], LoraSpec | None]:
     """A sync workload (a preset such as ``seed-lora``, or a JSON file): its summary, the
     ``(name, shape, dtype)`` of every tensor, and the LoRA spec of a ``lora`` workload."""
     from colosync.sync.target import parse_lora_name
@@ -92,9 +100,10 @@ def load_sync_workload(name_or_path: str):  # noqa: ANN201 - (Workload, specs, L
     specs = [(t["name"], tuple(int(d) for d in t["shape"]), dtype_from_name(t["dtype"])) for t in data["tensors"]]
     total = sum(math.prod(s) * d.itemsize for _, s, d in specs)
     if data.get("total_bytes") not in (None, total):
-        raise ConfigError(f"{path}: total_bytes says {data['total_bytes']} but the tensors add up to {total}; "
-                          f"fix or drop total_bytes")
-    lora = None
+        raise ConfigError(
+            f"{path}: total_bytes says {data['total_bytes']} but the tensors add up to {total}; fix or drop total_bytes"
+        )
+    lora: LoraSpec | None = None
     kind = data.get("kind", "full")
     if kind == "lora":
         spec = data.get("lora", {})
@@ -104,7 +113,7 @@ def load_sync_workload(name_or_path: str):  # noqa: ANN201 - (Workload, specs, L
     return Workload(data.get("name", path.stem), kind, len(specs), total, data.get("description", "")), specs, lora
 
 
-def make_tensors(specs: list, device) -> list:  # noqa: ANN001
+def make_tensors(specs: list, device) -> list:
     """Random tensors for ``specs`` on ``device`` (finite values; fixed seed)."""
     import torch
 
@@ -130,11 +139,18 @@ def make_tensors(specs: list, device) -> list:  # noqa: ANN001
 def _stats(path: str, kind: str, seconds: list[float], nbytes: int, **extra: Any) -> PathResult:
     ms = [s * 1e3 for s in seconds]
     med = statistics.median(ms)
-    return PathResult(path, kind, [round(v, 4) for v in ms], round(med, 4), round(min(ms), 4),
-                      round(nbytes / (med / 1e3) / 1e9, 2), **extra)
+    return PathResult(
+        path,
+        kind,
+        [round(v, 4) for v in ms],
+        round(med, 4),
+        round(min(ms), 4),
+        round(nbytes / (med / 1e3) / 1e9, 2),
+        **extra,
+    )
 
 
-def _timed(fn, warmup: int, repeats: int, tick=None) -> list[float]:  # noqa: ANN001
+def _timed(fn, warmup: int, repeats: int, tick=None) -> list[float]:
     for _ in range(warmup):
         fn()
         if tick:
@@ -154,8 +170,18 @@ def _timed(fn, warmup: int, repeats: int, tick=None) -> list[float]:  # noqa: AN
     return times
 
 
-def _bench_transport(engine, name: str, named, lora, bucket_bytes: int, warmup: int, repeats: int, tick,
-                     arena: bool = False, slots: int = 2) -> PathResult:  # noqa: ANN001
+def _bench_transport(
+    engine,
+    name: str,
+    named,
+    lora,
+    bucket_bytes: int,
+    warmup: int,
+    repeats: int,
+    tick,
+    arena: bool = False,
+    slots: int = 2,
+) -> PathResult:
     import torch
 
     from colosync.engines.sink import Digest, tensor_digests
@@ -167,7 +193,7 @@ def _bench_transport(engine, name: str, named, lora, bucket_bytes: int, warmup: 
             views = sender.arena([(n, tuple(t.shape), t.dtype) for n, t in named], named[0][1].device)
             with torch.no_grad():
                 torch._foreach_copy_(views, [t for _, t in named])
-            source = [(n, v) for (n, _), v in zip(named, views)]
+            source = [(n, v) for (n, _), v in zip(named, views, strict=True)]
         else:
             source = named
         reports = []
@@ -177,12 +203,18 @@ def _bench_transport(engine, name: str, named, lora, bucket_bytes: int, warmup: 
 
         times = _timed(push, warmup, repeats, tick)
         timed_reports = reports[-repeats:]
-        phases = {k: round(statistics.median(r.seconds[k] for r in timed_reports) * 1e3, 4)
-                  for k in timed_reports[0].seconds}
+        phases = {
+            k: round(statistics.median(r.seconds[k] for r in timed_reports) * 1e3, 4) for k in timed_reports[0].seconds
+        }
         digest = engine.call(Digest())
-        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
-        verified = digest.update_id == reports[-1].update_id and dict(zip(digest.names, digest.fingerprints)) == expect
+        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named]), strict=True))
+        verified = (
+            digest.update_id == reports[-1].update_id
+            and dict(zip(digest.names, digest.fingerprints, strict=False)) == expect
+        )
         transport = sender.transport
+        if transport is None:  # attached by the pushes above
+            raise ConfigError("the bench's sender attached no transport")
         config = {
             "bucket_bytes": sender.bucket_bytes,
             "slot_bytes": transport.slot_bytes,
@@ -199,34 +231,47 @@ def _bench_transport(engine, name: str, named, lora, bucket_bytes: int, warmup: 
         total = reports[-1].bytes
     finally:
         sender.close()
-    return _stats(name + ("+arena" if arena else ""), "transport", times, total, verified=verified, config=config,
-                  phases_ms=phases)
+    return _stats(
+        name + ("+arena" if arena else ""),
+        "transport",
+        times,
+        total,
+        verified=verified,
+        config=config,
+        phases_ms=phases,
+    )
 
 
-def _bench_reference(mode: str, named, device, bucket_bytes: int, warmup: int, repeats: int, tick) -> PathResult:  # noqa: ANN001
-    from colosync.wire.bucket import plan_buckets
+def _bench_reference(mode: str, named, device, bucket_bytes: int, warmup: int, repeats: int, tick) -> PathResult:
     from colosync.engines.sink import tensor_digests
     from colosync.tools.bench.refpaths import ReferencePath
+    from colosync.wire.bucket import plan_buckets
 
     layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], bucket_bytes)
     metas, sizes = layout.tensors, layout.bucket_sizes
     buckets: list[list] = [[] for _ in sizes]
-    for meta, item in zip(metas, named):
+    for meta, item in zip(metas, named, strict=True):
         buckets[meta.bucket].append(item)
     ref = ReferencePath(mode, device, buckets)
     try:
         times = _timed(ref.push, warmup, repeats, tick)
         got = ref.digests()
-        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named])))
+        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named]), strict=True))
         verified = got == expect
     finally:
         ref.close()
     total = sum(t.nbytes for _, t in named)
-    return _stats(f"ref:{mode}", "reference", times, total, verified=verified,
-                  config={"bucket_bytes": bucket_bytes, "buckets": len(sizes)})
+    return _stats(
+        f"ref:{mode}",
+        "reference",
+        times,
+        total,
+        verified=verified,
+        config={"bucket_bytes": bucket_bytes, "buckets": len(sizes)},
+    )
 
 
-def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:  # noqa: ANN001
+def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:
     """Pinned-memory copy floors for ``nbytes``: D2H, H2D, both at once (two streams), D2D."""
     import torch
 
@@ -261,14 +306,25 @@ def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:  # noq
             dst[:n].copy_(src[:n])
         torch.cuda.synchronize(device)
 
-    out = []
+    out: list[PathResult] = []
     for name, fn in (("d2h", d2h), ("h2d", h2d), ("d2h+h2d", None), ("duplex", duplex), ("d2d", d2d)):
         if fn is None:
             a, b = out[0], out[1]
-            out.append(_stats("floor:pinned d2h then h2d", "floor", [(x + y) / 1e3 for x, y in zip(a.times_ms, b.times_ms)], nbytes))
+            out.append(
+                _stats(
+                    "floor:pinned d2h then h2d",
+                    "floor",
+                    [(x + y) / 1e3 for x, y in zip(a.times_ms, b.times_ms, strict=False)],
+                    nbytes,
+                )
+            )
             continue
-        label = {"d2h": "floor:pinned d2h", "h2d": "floor:pinned h2d", "duplex": "floor:pinned d2h || h2d",
-                 "d2d": "floor:device copy"}[name]
+        label = {
+            "d2h": "floor:pinned d2h",
+            "h2d": "floor:pinned h2d",
+            "duplex": "floor:pinned d2h || h2d",
+            "d2d": "floor:device copy",
+        }[name]
         out.append(_stats(label, "floor", _timed(fn, 2, repeats), nbytes))
     return out
 
@@ -291,7 +347,7 @@ def _bucket_bytes(spec: str | None) -> dict[str, int]:
     return {k: v << 20 for k, v in _per_transport(spec, DEFAULT_BUCKET_MB).items()}
 
 
-def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: ANN001
+def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
     import torch
 
     from colosync import transports as registry
@@ -300,8 +356,10 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("colosync bench needs a CUDA GPU (trainer and engine share one); see `colosync probe`, "
-                              "or pass --device cpu for a smoke test of the transports")
+            raise ConfigError(
+                "colosync bench needs a CUDA GPU (trainer and engine share one); see `colosync probe`, "
+                "or pass --device cpu for a smoke test of the transports"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -318,8 +376,10 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
         notes.append("device cpu: references and floors need a GPU and were skipped")
     if "pickle" in refs and workload.bytes > PICKLE_MAX_BYTES and not args.force_pickle:
         refs.remove("pickle")
-        notes.append(f"ref:pickle skipped: {workload.bytes / 1e9:.1f} GB at ~0.2 GB/s would take minutes "
-                     "per update (pass --force-pickle to run it)")
+        notes.append(
+            f"ref:pickle skipped: {workload.bytes / 1e9:.1f} GB at ~0.2 GB/s would take minutes "
+            "per update (pass --force-pickle to run it)"
+        )
     plan = [(n, "transport") for n in names] + ([("cuda_ipc+arena", "transport")] if args.arena else [])
     plan += [(f"ref:{r}", "reference") for r in refs] + ([("floors", "floor")] if not args.no_floor else [])
     task = progress.add_task("bench", total=len(plan) * (warmup + repeats)) if progress else None
@@ -349,8 +409,20 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
                 continue
             status(f"{name} ({workload.name})")
             bucket = buckets.get(base, buckets.get("*", 64 << 20))
-            results.append(_bench_transport(engine, base, named, lora, bucket, warmup, repeats, tick,
-                                            arena=name.endswith("+arena"), slots=slots.get(base, slots.get("*", 2))))
+            results.append(
+                _bench_transport(
+                    engine,
+                    base,
+                    named,
+                    lora,
+                    bucket,
+                    warmup,
+                    repeats,
+                    tick,
+                    arena=name.endswith("+arena"),
+                    slots=slots.get(base, slots.get("*", 2)),
+                )
+            )
     finally:
         engine.close()
     for ref in refs:
@@ -372,14 +444,23 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:  # noqa: 
     header = run_header(args.argv, device=device)
     machine = header["machine"]
     return BenchResult(
-        command=header["command"], argv=list(sys.argv), date=header["date"], host=machine["hostname"],
-        gpu=machine.get("gpu", "cpu"), driver=machine.get("driver", "none"), cuda=str(machine["cuda"]),
-        torch=machine["torch"], python=machine["python"], workload=workload, floor_ms=floor_ms,
-        results=results, notes=notes,
+        command=header["command"],
+        argv=list(sys.argv),
+        date=header["date"],
+        host=machine["hostname"],
+        gpu=machine.get("gpu", "cpu"),
+        driver=machine.get("driver", "none"),
+        cuda=str(machine["cuda"]),
+        torch=machine["torch"],
+        python=machine["python"],
+        workload=workload,
+        floor_ms=floor_ms,
+        results=results,
+        notes=notes,
     )
 
 
-def print_table(result: BenchResult, console=None) -> None:  # noqa: ANN001
+def print_table(result: BenchResult, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -388,15 +469,29 @@ def print_table(result: BenchResult, console=None) -> None:  # noqa: ANN001
     table = Table(
         title=f"colosync bench: {w.name} ({w.tensors} tensors, {w.bytes:,} bytes) on {result.gpu}",
         caption=f"{result.command} | driver {result.driver}, CUDA {result.cuda}, torch {result.torch} | {result.date}",
-        title_justify="left", caption_justify="left",
+        title_justify="left",
+        caption_justify="left",
     )
     refs = [r.path for r in result.results if r.kind == "reference"]
-    for col, just in [("path", "left"), ("median ms", "right"), ("min ms", "right"), ("GB/s", "right"),
-                      ("x PCIe floor", "right")] + [(f"faster than {r[4:]}", "right") for r in refs] + [("ok", "center")]:
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("path", "left"),
+        ("median ms", "right"),
+        ("min ms", "right"),
+        ("GB/s", "right"),
+        ("x PCIe floor", "right"),
+    ]
+    columns += [(f"faster than {r[4:]}", "right") for r in refs]
+    columns += [("ok", "center")]
+    for col, just in columns:
         table.add_column(col, justify=just)
     for r in result.results:
-        row = [r.path, f"{r.median_ms:.3f}", f"{r.min_ms:.3f}", f"{r.gbps:.1f}",
-               f"{r.vs_floor:.2f}" if r.vs_floor is not None else "-"]
+        row = [
+            r.path,
+            f"{r.median_ms:.3f}",
+            f"{r.min_ms:.3f}",
+            f"{r.gbps:.1f}",
+            f"{r.vs_floor:.2f}" if r.vs_floor is not None else "-",
+        ]
         row += [f"{r.speedup_vs[ref]:.1f}x" if ref in r.speedup_vs else "-" for ref in refs]
         row.append({True: "[green]yes[/]", False: "[red]NO[/]", None: ""}[r.verified])
         table.add_row(*row, style="dim" if r.kind == "floor" else None)
@@ -406,9 +501,11 @@ def print_table(result: BenchResult, console=None) -> None:  # noqa: ANN001
     for r in result.results:
         if r.phases_ms:
             phases = ", ".join(f"{k} {v:.3f}" for k, v in r.phases_ms.items())
-            console.print(f"[dim]{r.path}: {phases} ms; bucket {r.config.get('bucket_bytes', 0) >> 20} MiB, "
-                          f"{r.config.get('slots')} x {r.config.get('slot_bytes', 0) >> 20} MiB slots in "
-                          f"{r.config.get('transport_memory')} memory[/]")
+            console.print(
+                f"[dim]{r.path}: {phases} ms; bucket {r.config.get('bucket_bytes', 0) >> 20} MiB, "
+                f"{r.config.get('slots')} x {r.config.get('slot_bytes', 0) >> 20} MiB slots in "
+                f"{r.config.get('transport_memory')} memory[/]"
+            )
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
 
@@ -422,8 +519,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             result = run_bench(args)
         else:
-            with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
-                          transient=True) as progress:
+            with Progress(
+                TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True
+            ) as progress:
                 result = run_bench(args, progress)
     except ColosyncError as exc:
         print(f"colosync bench: {exc}", file=sys.stderr)
@@ -443,23 +541,40 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_subcommand(
-        subparsers, "bench", doc=__doc__,
+        subparsers,
+        "bench",
+        doc=__doc__,
         help="time each transport between two processes on one GPU against the seeds' paths and the copy floor",
     )
-    parser.add_argument("--workload", default="seed-lora",
-                        help=f"a shipped workload ({', '.join(workloads.names('sync'))}) or a JSON file path (default seed-lora)")
+    parser.add_argument(
+        "--workload",
+        default="seed-lora",
+        help=f"a shipped workload ({', '.join(workloads.names('sync'))}) or a JSON file path (default seed-lora)",
+    )
     parser.add_argument("--transports", default=None, help="comma-separated transports (default: all registered)")
-    parser.add_argument("--references", default="fresh_ipc,pickle",
-                        help="seed reference paths to time: fresh_ipc, pickle, or none (default both)")
-    parser.add_argument("--arena", action="store_true",
-                        help="also time cuda_ipc with the trainer's tensors living in the exported buffer (no packing)")
+    parser.add_argument(
+        "--references",
+        default="fresh_ipc,pickle",
+        help="seed reference paths to time: fresh_ipc, pickle, or none (default both)",
+    )
+    parser.add_argument(
+        "--arena",
+        action="store_true",
+        help="also time cuda_ipc with the trainer's tensors living in the exported buffer (no packing)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed updates per path (default 10; 5 above 4 GB)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed updates per path first (default 3)")
-    parser.add_argument("--bucket-mb", default=None,
-                        help="bucket size in MiB, for all transports or per transport "
-                             f"(e.g. 'cuda_ipc=256,shm=64'; default {DEFAULT_BUCKET_MB})")
-    parser.add_argument("--slots", default=None,
-                        help=f"buckets in flight (Sender slots), for all or per transport (default {DEFAULT_SLOTS})")
+    parser.add_argument(
+        "--bucket-mb",
+        default=None,
+        help="bucket size in MiB, for all transports or per transport "
+        f"(e.g. 'cuda_ipc=256,shm=64'; default {DEFAULT_BUCKET_MB})",
+    )
+    parser.add_argument(
+        "--slots",
+        default=None,
+        help=f"buckets in flight (Sender slots), for all or per transport (default {DEFAULT_SLOTS})",
+    )
     parser.add_argument("--device", default="cuda", help="the GPU trainer and engine share (default cuda)")
     parser.add_argument("--no-floor", action="store_true", help="skip the pinned copy floor")
     parser.add_argument("--force-pickle", action="store_true", help="run the pickle reference even above 4 GB")

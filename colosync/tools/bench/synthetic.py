@@ -21,9 +21,15 @@ def _sizes(total_bytes: int, tensor_bytes: int) -> list[int]:
     return [per] * count
 
 
-def engine_state(weight_bytes: int, kv_bytes: int, *, device: torch.device | str, tensor_bytes: int = 256 * MiB,
-                 kv_tensor_bytes: int = 4 << 30, dtype: torch.dtype = torch.bfloat16,
-                 ) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+def engine_state(
+    weight_bytes: int,
+    kv_bytes: int,
+    *,
+    device: torch.device | str,
+    tensor_bytes: int = 256 * MiB,
+    kv_tensor_bytes: int = 4 << 30,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """A module of ``weight_bytes`` of weights and KV-cache tensors of ``kv_bytes`` in total."""
     device = torch.device(device)
     model = torch.nn.Module()
@@ -37,8 +43,12 @@ def engine_state(weight_bytes: int, kv_bytes: int, *, device: torch.device | str
     return model, kv
 
 
-def trainer_state(param_bytes: int, *, device: torch.device | str, tensor_bytes: int = 128 * MiB,
-                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def trainer_state(
+    param_bytes: int,
+    *,
+    device: torch.device | str,
+    tensor_bytes: int = 128 * MiB,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """fp32 parameters of ``param_bytes`` with gradients and AdamW state (4x in total), after one step."""
     device = torch.device(device)
     model = torch.nn.Module()

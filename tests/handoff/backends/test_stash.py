@@ -59,8 +59,17 @@ def test_backup_needs_a_pool():
 
 def test_stats_of_two_stashes_add_up():
     a = StashStats(participant="t.grads", op="offload", tensors=2, copies=0, device_freed=10, seconds=0.5)
-    b = StashStats(participant="t.state", op="offload", tensors=3, copies=1, bytes_to_host=7, host_allocated=8,
-                   device_freed=20, seconds=0.25, note="x")
+    b = StashStats(
+        participant="t.state",
+        op="offload",
+        tensors=3,
+        copies=1,
+        bytes_to_host=7,
+        host_allocated=8,
+        device_freed=20,
+        seconds=0.25,
+        note="x",
+    )
     both = StashStats(noop=True) + a + b
     assert not both.noop and both.participant == "t.grads" and both.note == "x"
     assert (both.tensors, both.copies, both.device_freed, both.bytes_to_host, both.host_allocated) == (5, 1, 30, 7, 8)

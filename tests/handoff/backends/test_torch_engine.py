@@ -16,10 +16,15 @@ def engine(**kw) -> TorchEngineMemory:
     return TorchEngineMemory(model, kv, pool=cpu_host_pool(), device="cpu", **kw)
 
 
-@pytest.mark.parametrize("op, setup", [
-    ("offload_kv", []), ("offload_weights", []), ("onload_weights", ["offload_weights"]),
-    ("onload_kv", ["offload_kv"]),
-])
+@pytest.mark.parametrize(
+    "op, setup",
+    [
+        ("offload_kv", []),
+        ("offload_weights", []),
+        ("onload_weights", ["offload_weights"]),
+        ("onload_kv", ["offload_kv"]),
+    ],
+)
 def test_engine_operations_are_idempotent(op, setup):
     e = engine()
     for name in setup:

@@ -59,9 +59,16 @@ def test_trainer_backup_grads_option():
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
 
 
-@pytest.mark.parametrize("op, setup", [
-    ("sleep", []), ("wake_up", ["sleep"]), ("offload_grad_buffer", []), ("clear_memory", []), ("load", []),
-])
+@pytest.mark.parametrize(
+    "op, setup",
+    [
+        ("sleep", []),
+        ("wake_up", ["sleep"]),
+        ("offload_grad_buffer", []),
+        ("clear_memory", []),
+        ("load", []),
+    ],
+)
 def test_trainer_operations_are_idempotent(op, setup, trainer_loader):
     trainer = TorchTrainerMemory(loader=lambda: trainer_loader(layers=2), pool=cpu_host_pool(), device="cpu")
     if op != "load":

@@ -25,4 +25,4 @@ def test_an_operation_without_its_precondition_does_nothing():
 
 def test_unknown_operation_names_the_known_ones():
     with pytest.raises(PlanError, match=r"unknown operation 'engine.teleport'.*engine.offload_kv.*Op\(name\)"):
-        effect("engine.teleport", RESIDENT)  # type: ignore[arg-type]
+        effect("engine.teleport", RESIDENT)  # type: ignore[arg-type]  # deliberately not an Op

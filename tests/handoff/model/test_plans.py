@@ -28,10 +28,17 @@ def ops(plan: Plan, phase: str) -> list[str]:
 def test_gpu_plan_is_the_seed_order():
     plan = build_plan(peak_device="gpu")
     assert ops(plan, "rollout_to_train") == [
-        "engine.offload_kv", "trainer.wake_up", "engine.offload_weights(backup=True)"]
+        "engine.offload_kv",
+        "trainer.wake_up",
+        "engine.offload_weights(backup=True)",
+    ]
     assert ops(plan, "train_to_rollout") == [
-        "trainer.clear_memory", "trainer.offload_grad_buffer", "engine.onload_weights", "trainer.sleep",
-        "engine.onload_kv"]
+        "trainer.clear_memory",
+        "trainer.offload_grad_buffer",
+        "engine.onload_weights",
+        "trainer.sleep",
+        "engine.onload_kv",
+    ]
     # init: engine weights stay resident through the trainer's load
     assert ops(plan, "init") == ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"]
 
@@ -39,7 +46,10 @@ def test_gpu_plan_is_the_seed_order():
 def test_cpu_plan_is_the_usual_order():
     plan = build_plan(peak_device="cpu")
     assert ops(plan, "rollout_to_train") == [
-        "engine.offload_kv", "engine.offload_weights(backup=True)", "trainer.wake_up"]
+        "engine.offload_kv",
+        "engine.offload_weights(backup=True)",
+        "trainer.wake_up",
+    ]
     assert ops(plan, "train_to_rollout") == ["trainer.sleep", "engine.onload_weights", "engine.onload_kv"]
     assert ops(plan, "init")[:3] == ["engine.offload_kv", "engine.offload_weights(backup=True)", "trainer.load"]
 
@@ -71,11 +81,14 @@ def test_only_cpu_mode_ever_holds_both_host_copies():
     assert not holds_both(build_plan(peak_device="gpu"))
 
 
-@pytest.mark.parametrize("kwargs, missing", [
-    ({"trainer_offload": False}, "trainer_offload"),
-    ({"engine_offload": False}, "engine_offload"),
-    ({"trainer_offload": False, "engine_offload": False}, "trainer_offload and engine_offload"),
-])
+@pytest.mark.parametrize(
+    "kwargs, missing",
+    [
+        ({"trainer_offload": False}, "trainer_offload"),
+        ({"engine_offload": False}, "engine_offload"),
+        ({"trainer_offload": False, "engine_offload": False}, "trainer_offload and engine_offload"),
+    ],
+)
 def test_gpu_mode_without_offload_is_rejected(kwargs, missing):
     with pytest.raises(PlanError, match=f"{missing}.*peak_device='cpu'"):
         HandoffConfig(peak_device="gpu", **kwargs)
@@ -97,26 +110,40 @@ def test_cpu_mode_without_offloads_is_valid_and_does_less():
 
 def test_custom_plan_is_validated():
     config = HandoffConfig(peak_device="gpu")
-    good = Plan.from_ops(config, {
-        "init": ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"],
-        "rollout_to_train": [Op.ENGINE_OFFLOAD_KV, Op.TRAINER_WAKE_UP, (Op.ENGINE_OFFLOAD_WEIGHTS, True)],
-        "train_to_rollout": ["engine.onload_weights", "trainer.sleep", "engine.onload_kv"],
-    })
+    good = Plan.from_ops(
+        config,
+        {
+            "init": ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"],
+            "rollout_to_train": [Op.ENGINE_OFFLOAD_KV, Op.TRAINER_WAKE_UP, (Op.ENGINE_OFFLOAD_WEIGHTS, True)],
+            "train_to_rollout": ["engine.onload_weights", "trainer.sleep", "engine.onload_kv"],
+        },
+    )
     assert ops(good, "train_to_rollout")[0] == "engine.onload_weights"
     # the usual order does not satisfy gpu mode
-    with pytest.raises(PlanError, match=r"rollout_to_train step 2 engine.offload_weights\(backup=True\).*never coexist"):
-        Plan.from_ops(config, {
-            "init": ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"],
-            "rollout_to_train": ["engine.offload_kv", "engine.offload_weights", "trainer.wake_up"],
-            "train_to_rollout": ["engine.onload_weights", "trainer.sleep", "engine.onload_kv"],
-        })
+    with pytest.raises(
+        PlanError, match=r"rollout_to_train step 2 engine.offload_weights\(backup=True\).*never coexist"
+    ):
+        Plan.from_ops(
+            config,
+            {
+                "init": ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"],
+                "rollout_to_train": ["engine.offload_kv", "engine.offload_weights", "trainer.wake_up"],
+                "train_to_rollout": ["engine.onload_weights", "trainer.sleep", "engine.onload_kv"],
+            },
+        )
 
 
 def test_custom_plan_errors_name_the_problem():
     config = HandoffConfig()
     base = {
-        "init": ["engine.offload_kv", "engine.offload_weights", "trainer.load", "trainer.sleep",
-                 "engine.onload_weights", "engine.onload_kv"],
+        "init": [
+            "engine.offload_kv",
+            "engine.offload_weights",
+            "trainer.load",
+            "trainer.sleep",
+            "engine.onload_weights",
+            "engine.onload_kv",
+        ],
         "rollout_to_train": ["engine.offload_kv", "engine.offload_weights", "trainer.wake_up"],
         "train_to_rollout": ["trainer.sleep", "engine.onload_weights", "engine.onload_kv"],
     }
@@ -131,16 +158,29 @@ def test_custom_plan_errors_name_the_problem():
         Plan.from_ops(config, {k: v for k, v in base.items() if k != "init"})
     gpu = HandoffConfig(peak_device="gpu")
     with pytest.raises(PlanError, match="engine weights stay resident through the trainer's load"):
-        Plan.from_ops(gpu, {**base, "init": ["engine.offload_kv", "engine.offload_weights", "trainer.load",
-                                             "engine.onload_weights", "trainer.sleep", "engine.onload_kv"]})
+        Plan.from_ops(
+            gpu,
+            {
+                **base,
+                "init": [
+                    "engine.offload_kv",
+                    "engine.offload_weights",
+                    "trainer.load",
+                    "engine.onload_weights",
+                    "trainer.sleep",
+                    "engine.onload_kv",
+                ],
+            },
+        )
 
 
 def test_tampered_plan_is_caught_by_validate():
     plan = build_plan(peak_device="gpu")
     phase = plan.phase("rollout_to_train")
     swapped = msgspec.structs.replace(phase, steps=(phase.steps[0], phase.steps[2], phase.steps[1]))
-    bad = msgspec.structs.replace(plan, phases=tuple(swapped if p.name is PhaseName.ROLLOUT_TO_TRAIN else p
-                                                     for p in plan.phases))
+    bad = msgspec.structs.replace(
+        plan, phases=tuple(swapped if p.name is PhaseName.ROLLOUT_TO_TRAIN else p for p in plan.phases)
+    )
     with pytest.raises(PlanError):
         validate_plan(bad)
 

@@ -60,8 +60,15 @@ def test_gpu_peak_is_baseline_plus_larger_copy(k3):
 
 
 def test_timeline_rows_follow_the_steps():
-    sizes = HandoffSizes(engine_weight_bytes=10, engine_kv_bytes=5, trainer_resident_bytes=8, trainer_backup_bytes=6,
-                         trainer_grad_buffer_bytes=2, host_baseline_bytes=100, gpus_per_node=2)
+    sizes = HandoffSizes(
+        engine_weight_bytes=10,
+        engine_kv_bytes=5,
+        trainer_resident_bytes=8,
+        trainer_backup_bytes=6,
+        trainer_grad_buffer_bytes=2,
+        host_baseline_bytes=100,
+        gpus_per_node=2,
+    )
     sim = simulate(build_plan(peak_device="gpu"), sizes)
     rows = {(r.phase, r.step): r for r in sim.rows}
     wake = rows[("rollout_to_train", "trainer.wake_up")]
@@ -72,8 +79,14 @@ def test_timeline_rows_follow_the_steps():
 
 
 def test_gpu_mode_can_overflow_the_gpu():
-    sizes = HandoffSizes(engine_weight_bytes=60 * GB, engine_kv_bytes=20 * GB, trainer_resident_bytes=30 * GB,
-                         trainer_backup_bytes=20 * GB, host_budget_bytes=10**15, gpu_bytes=80 * GB)
+    sizes = HandoffSizes(
+        engine_weight_bytes=60 * GB,
+        engine_kv_bytes=20 * GB,
+        trainer_resident_bytes=30 * GB,
+        trainer_backup_bytes=20 * GB,
+        host_budget_bytes=10**15,
+        gpu_bytes=80 * GB,
+    )
     result = compare(sizes)
     assert result.simulations["cpu"].fits
     assert not result.simulations["gpu"].fits_device
@@ -82,8 +95,14 @@ def test_gpu_mode_can_overflow_the_gpu():
 
 
 def test_no_mode_fits_says_by_how_much():
-    sizes = HandoffSizes(engine_weight_bytes=60 * GB, engine_kv_bytes=0, trainer_resident_bytes=40 * GB,
-                         trainer_backup_bytes=40 * GB, host_budget_bytes=50 * GB, gpu_bytes=80 * GB)
+    sizes = HandoffSizes(
+        engine_weight_bytes=60 * GB,
+        engine_kv_bytes=0,
+        trainer_resident_bytes=40 * GB,
+        trainer_backup_bytes=40 * GB,
+        host_budget_bytes=50 * GB,
+        gpu_bytes=80 * GB,
+    )
     result = compare(sizes)
     assert result.recommended is None
     assert "over the 50.0 GB budget" in result.reason

@@ -42,7 +42,11 @@ def test_gpu_mode_keeps_one_host_copy():
     assert steps[4:7] == ["engine.offload_kv", "trainer.wake_up", "engine.offload_weights(backup=True)"]
     wake = result.records[5]
     assert wake.report.bytes_to_device > 0 and wake.held_after == [
-        "engine.weights", "trainer.state", "trainer.grad_buffer", "trainer.cache"]
+        "engine.weights",
+        "trainer.state",
+        "trainer.grad_buffer",
+        "trainer.cache",
+    ]
 
 
 def test_cpu_mode_measures_both_copies():
@@ -74,9 +78,13 @@ def test_separate_pools_break_gpu_mode_as_measured():
     # The order is right, but each participant keeps its own pool's chunks: both copies'
     # memory stays on the host. Only measurement can see this.
     trainer, engine, pools = participants(shared_pool=False)
-    executor = HandoffExecutor(trainer, engine)
-    with pytest.raises(HandoffInvariantError, match=r"rollout_to_train step 3 engine.offload_weights.*measured host copies"):
+    executor = HandoffExecutor(trainer, engine, invariants=[NoCoexistingHostCopies()])  # this invariant alone
+    with pytest.raises(HandoffInvariantError) as info:
         executor.run(build_plan(peak_device="gpu"))
+    message = str(info.value)
+    assert message.startswith("invariant no-coexisting-host-copies broke"), message
+    assert "measured host copies" in message and "exceed the larger single copy" in message
+    assert "share one HostPool between trainer and engine" in message
     assert sum(p.capacity_bytes for p in pools) > 90 << 20
 
 

@@ -45,8 +45,11 @@ def run_mode(mode: str) -> tuple[object, dict[Region, int], list[float]]:
         result = executor.run(build_plan(peak_device=mode), cycles=2)
         assert [p.detach().float().sum().item() for p in list(model.parameters())[:3]] == weights
         sizes = {**engine.region_bytes(), **trainer.region_bytes()}
-        rates = [r.report.gbps for r in result.records
-                 if r.step in ("trainer.sleep", "trainer.wake_up") and r.phase != "init"]
+        rates = [
+            r.report.gbps
+            for r in result.records
+            if r.step in ("trainer.sleep", "trainer.wake_up") and r.phase != "init"
+        ]
     finally:  # leave the device and the pinned pages clean for the next test, pass or fail
         trainer.wake_up()  # gives its lease back, so trim() can unregister every chunk
         engine.onload_weights()
