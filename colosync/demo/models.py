@@ -10,6 +10,7 @@ own, re-exported here for tests and the demo.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,52 +33,32 @@ _TINY: dict[str, Any] = {  # keyword arguments of any transformers config
 }
 
 
-def tiny_llama_config(
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    intermediate_size: int = 128,
-) -> LlamaConfig:
+@dataclass(frozen=True)
+class TinySizes:
+    """The dimensions of a tiny model; every config field a test or example may override."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+
+
+def tiny_llama_config(**sizes: int) -> LlamaConfig:
+    """A Llama config of ``TinySizes`` (override any field by name), untied embeddings."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=False,
-        **_TINY,
-    )
+    return LlamaConfig(**asdict(TinySizes(**sizes)), tie_word_embeddings=False, **_TINY)
 
 
-def tiny_qwen2_config(
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    intermediate_size: int = 256,
-    tie_word_embeddings: bool = True,
-) -> Qwen2Config:
+def tiny_qwen2_config(tie_word_embeddings: bool = True, **sizes: int) -> Qwen2Config:
     """A Qwen2 config (q/k/v biases; embeddings tied by default). Head size hidden/heads = 32:
     vLLM's CPU attention has no kernel for smaller heads."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-        use_sliding_window=False,
-        **_TINY,
-    )
+    fields = asdict(TinySizes(**{"hidden_size": 128, "intermediate_size": 256, **sizes}))
+    return Qwen2Config(**fields, tie_word_embeddings=tie_word_embeddings, use_sliding_window=False, **_TINY)
 
 
 def _save_tiny(path: str | Path, seed: int, build: Callable[[], PreTrainedModel], biases: bool = False) -> Path:
@@ -155,6 +136,7 @@ __all__ = [
     "make_tiny_qwen2",
     "random_lora",
     "score",
+    "TinySizes",
     "tiny_llama_config",
     "tiny_qwen2_config",
 ]
