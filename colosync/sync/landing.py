@@ -219,7 +219,9 @@ class Lander:
                 "staging() must return one per manifest tensor, in order (and one buffer per bucket)"
             )
         if flats is not None:
-            return BucketLanding(self, manifest, plan, policy, tensors, flats)
+            landing = BucketLanding(self, manifest, plan, policy, tensors)
+            landing.flats = flats
+            return landing
         return TensorLanding(self, manifest, plan, policy, tensors)
 
     def close(self) -> None:
@@ -454,17 +456,7 @@ class BucketLanding(Landing):
 
     kind = "buckets"
 
-    def __init__(
-        self,
-        lander: Lander,
-        manifest: UpdateManifest,
-        plan: LayoutPlan,
-        policy: ReceiverPolicy,
-        staging: list[torch.Tensor],
-        flats: Any,
-    ) -> None:
-        super().__init__(lander, manifest, plan, policy, staging)
-        self.flats = flats
+    flats: Any = None  # one uint8 buffer per bucket, lent by the engine (set right after construction)
 
     def _land(
         self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None

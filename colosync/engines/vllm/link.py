@@ -21,6 +21,9 @@ scored the way the engine serves by default: with the committed colosync adapter
 is one (also for a full update), else with the base model. The probe runs
 after resume, so with a synchronous ``LLM`` do not generate from another thread during a
 verified commit (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
+
+One module (~440 lines): the synchronous and the async link share one base whose commit, verify
+and revert choreography must read as one sequence.
 """
 
 from __future__ import annotations
