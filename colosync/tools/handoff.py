@@ -75,7 +75,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gpu-memory", type=parse_size, help="memory of one GPU")
     p.add_argument("--device-baseline", type=parse_size, help="device memory outside both participants per GPU")
     p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--mode", choices=["cpu", "gpu", "both"], default="both")
+    p.add_argument(
+        "--peak-device",
+        "--mode",  # 0.1's name, kept as an alias
+        dest="mode",
+        choices=["cpu", "gpu", "both"],
+        default="both",
+        help="where the handoff's overlap peaks: cpu (both host copies at once), gpu, or both to compare (default)",
+    )
     p.add_argument("--cycles", type=int, default=1, help="train/rollout rounds after init (default 1)")
     p.add_argument("--no-engine-backup", action="store_true", help="engine releases weights without a host mirror")
     p.add_argument("--why", action="store_true", help="add a column saying why each step is where it is")

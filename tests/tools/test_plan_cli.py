@@ -99,3 +99,13 @@ def test_cli_plan_missing_file_exits_without_a_traceback():
     assert out.returncode == 2
     assert "colosync plan: handoff workload file '/nonexistent.json': no such file" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_plan_takes_the_flag_it_recommends(capsys):
+    """``plan`` recommends ``--peak-device X``; that is the flag it takes (``--mode`` stays an alias)."""
+    assert main(["plan", "--workload", "k3-gb300"]) == 0
+    recommended = capsys.readouterr().out
+    assert "--peak-device gpu" in recommended
+    for flag in ("--peak-device", "--mode"):
+        assert main(["plan", "--workload", "k3-gb300", flag, "gpu", "--json"]) == 0
+        assert list(json.loads(capsys.readouterr().out)["modes"]) == ["gpu"]
