@@ -83,7 +83,7 @@ class ChannelServer:
     def __init__(
         self,
         address: EngineAddress,
-        open_session: Callable[[], Any],
+        open_session: Callable[[int | None], Any],
         handle: Callable[[Any, bytes], bytes],
         close_session: Callable[[Any, str], None],
         deadlines: Deadlines | None = None,
@@ -96,6 +96,7 @@ class ChannelServer:
         self._tick_s = tick_s
         self._engine = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colosync-engine")
         self._stopping: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # one per connection, ended at shutdown
         self._loop: asyncio.AbstractEventLoop | None = None
         self.connections = 0
 
@@ -121,6 +122,9 @@ class ChannelServer:
             ready()
         async with server:
             await self._stopping.wait()
+            for task in list(self._tasks):  # end every connection (Python >= 3.12 waits for them to close)
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         if ticker is not None:
             ticker.cancel()
 
@@ -156,10 +160,14 @@ class ChannelServer:
             log.warning("engine channel: dropped a client that did not authenticate (%s)", type(exc).__name__)
             writer.close()
             return
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         self.connections += 1
-        session = await loop.run_in_executor(self._engine, self._open)
+        session = await loop.run_in_executor(self._engine, self._open, _peer_pid(writer))
         replies: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue(self.deadlines.pending_replies)
-        writing = asyncio.create_task(self._write_replies(writer, replies))
+        submitted: deque[asyncio.Future[bytes]] = deque()  # sent to the engine thread, reply not yet written
+        writing = asyncio.create_task(self._write_replies(writer, replies, submitted))
         why = "the client closed the connection"
         try:
             while True:
@@ -169,7 +177,9 @@ class ChannelServer:
                     why = f"it announced a {size}-byte message (limit {MAX_MESSAGE_BYTES})"
                     break
                 data = await asyncio.wait_for(reader.readexactly(size), self.deadlines.message_s)
-                await replies.put(loop.run_in_executor(self._engine, self._handle, session, data))
+                future = loop.run_in_executor(self._engine, self._handle, session, data)
+                submitted.append(future)
+                await replies.put(future)
         except TimeoutError:
             why = f"it stopped mid-message for {self.deadlines.message_s}s"
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -177,26 +187,36 @@ class ChannelServer:
         except asyncio.CancelledError:
             why = "the engine is shutting down"
         finally:
-            # The client is gone or dropped: stop writing to it, let what it already sent run (or
-            # be cancelled if not started), then end its session, which aborts its update.
+            # The client is gone or dropped. What it sent and the engine has not started is cancelled:
+            # one engine thread runs requests in order, so what ran is a prefix of what was sent. Then
+            # its session ends, which aborts its update.
+            for future in submitted:
+                future.cancel()
+            await asyncio.gather(*submitted, return_exceptions=True)
             writing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writing
-            while not replies.empty():
-                queued = replies.get_nowait()
-                if queued is not None:
-                    with contextlib.suppress(Exception, asyncio.CancelledError):
-                        await queued
             await loop.run_in_executor(self._engine, self._safe, self._close, session, why)
             writer.close()
             self.connections -= 1
+            if task is not None:
+                self._tasks.discard(task)
             log.info("engine channel: client left: %s", why)
 
     @staticmethod
-    async def _write_replies(writer: asyncio.StreamWriter, replies: asyncio.Queue) -> None:
+    async def _write_replies(
+        writer: asyncio.StreamWriter, replies: asyncio.Queue, submitted: deque[asyncio.Future[bytes]]
+    ) -> None:
         alive = True
         while (pending := await replies.get()) is not None:
-            data = await pending
+            try:
+                data = await pending
+            except Exception:  # the host never raises; if it did, the reply stream would be out of step
+                log.exception("engine channel: a request failed without a reply; dropping the client")
+                alive = False
+                writer.transport.abort()
+            finally:
+                submitted.popleft()
             if not alive:
                 continue  # keep consuming, so the reader never blocks on a full queue
             try:
@@ -299,3 +319,13 @@ class _Pending:
 
 
 __all__ = ["ChannelServer", "Deadlines", "SocketLink", "frame"]
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    """The connecting process's pid as the kernel sees it (SO_PEERCRED), or None where unavailable."""
+    sock = writer.get_extra_info("socket")
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (AttributeError, OSError):
+        return None
+    return pid if pid > 0 else None

@@ -110,6 +110,7 @@ class HFEngine(HostedTarget):
             return False
         failed, self._served_adapter, self._previous_adapter = self._served_adapter, self._previous_adapter, None
         self._retire(failed)
+        self._last_commit_lora = False  # reverted once; nothing further to undo
         return True
 
     def discard(self, prepared: Any) -> None:

@@ -33,7 +33,7 @@ import msgspec
 import torch
 
 from colosync.engines.config import EngineConfig, Score, Scores
-from colosync.errors import ColosyncError, DeliveryError, EngineBusyError, FailedClosedError, ManifestError
+from colosync.errors import ColosyncError, ConfigError, EngineBusyError, FailedClosedError, ManifestError
 from colosync.sync.delivery import Deviation, delivery_error
 from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
@@ -68,6 +68,7 @@ class Session:
     host: str = ""
     name: str = ""
     opened: float = field(default_factory=time.time)
+    peer_pid: bool = False  # the pid came from the kernel (SO_PEERCRED), not from the client
 
     def describe(self) -> str:
         who = f"pid {self.pid}" + (f" on {self.host}" if self.host else "") if self.pid else f"session {self.id}"
@@ -199,8 +200,9 @@ class EngineHost:
         self._local = self.open_session()  # callers that name no session (in-process use)
 
     # -- sessions -------------------------------------------------------------------------
-    def open_session(self) -> Session:
-        session = Session(next(self._ids))
+    def open_session(self, pid: int | None = None) -> Session:
+        """A new client; ``pid`` when the transport knows it (a Unix socket's peer credentials)."""
+        session = Session(next(self._ids), pid=pid, host=socket.gethostname() if pid else "", peer_pid=pid is not None)
         self._sessions[session.id] = session
         return session
 
@@ -222,11 +224,14 @@ class EngineHost:
                 self._release(f"its sender ({owner.describe()}) died")
 
     def _release(self, why: str) -> None:
-        in_flight = self.transactions.status().in_flight_update_id
-        if in_flight is not None:
-            self.transactions.abort(in_flight, why)
-        self.transactions.detach()
-        self.owner = None
+        try:
+            in_flight = self.transactions.status().in_flight_update_id
+            if in_flight is not None:
+                self.transactions.abort(in_flight, why)
+            self.transactions.detach()
+            self.serving = self.transactions.status().serving
+        finally:  # whatever failed above, the engine must not stay owned by a client that is gone
+            self.owner = None
         log.info("engine: released by its owner; %s", why)
 
     # -- requests -------------------------------------------------------------------------
@@ -246,14 +251,19 @@ class EngineHost:
                 self.transactions.check_timeout()  # hosts without a timer still expire abandoned updates
                 return self._dispatch(request, session)
             except ColosyncError as exc:
-                return Failed.from_exception(exc, self._status_after(exc))
+                status = self._status_after(exc)
+                if status is not None:
+                    self.serving = status.serving  # a refused commit may have failed the engine closed
+                return Failed.from_exception(exc, status)
             except Exception as exc:
                 log.exception("engine: request %s failed", type(request).__name__)
                 return Failed.from_exception(exc)
 
     def _dispatch(self, request: msgspec.Struct, session: Session) -> msgspec.Struct:
         if isinstance(request, Hello):
-            session.pid, session.host, session.name = request.pid, request.host, request.name
+            if not session.peer_pid:  # the socket's peer credentials beat what a client says of itself
+                session.pid, session.host = request.pid, request.host
+            session.name = request.name
             return self.transactions.status()
         handler = self.handlers.get(type(request))
         if handler is not None:
@@ -261,6 +271,8 @@ class EngineHost:
         if isinstance(request, TransactionRequest):  # the union of TRANSACTION_TYPES
             if isinstance(request, _OWNER_ONLY):
                 self._check_owner(request, session)
+            if isinstance(request, Attach):
+                return self._attach(request, session)
             if isinstance(request, Detach):
                 self._release(f"its sender ({session.describe()}) detached: {request.reason or 'closed'}")
                 return self.transactions.status()
@@ -272,7 +284,7 @@ class EngineHost:
         if not self.serving:
             raise FailedClosedError(
                 f"the engine refuses {type(request).__name__}: its last full update failed verification, so "
-                "what it would compute is unknown; push a good update (it serves again once one verifies)"
+                "what it would compute is unknown; push a good full update (it serves again once one commits)"
             )
         return self.engine.handle(request)
 
@@ -293,8 +305,7 @@ class EngineHost:
                 )
             if owner is not None:
                 self._release(f"{session.describe()} took it over")
-            self.owner = session
-            return
+            return  # ownership is granted once the transport opened (_attach)
         if owner is None:
             raise EngineBusyError(
                 f"{type(request).__name__} from a sender that does not own this engine (nobody does now): "
@@ -305,16 +316,24 @@ class EngineHost:
             "a sender that was taken over must reconnect and Attach again"
         )
 
+    def _attach(self, request: Attach, session: Session) -> Ack:
+        ack = self.transactions.handle(request)  # raises if the transport cannot be opened: no owner then
+        self.owner = session
+        return ack
+
     def _commit(self, request: Commit) -> Ack:
-        ack = self.transactions.handle(Commit(request.update_id))
         probe = request.probe
-        if probe is None:
+        if probe is not None and (self.engine is None or Score not in self.engine.requests):
+            raise ConfigError(  # refused before anything is installed; the Sender aborts the update
+                "this engine cannot score a probe (it serves no Score requests); push without verify=, or use "
+                "an engine that scores (hf, vllm)"
+            )
+        ack = self.transactions.handle(Commit(request.update_id))
+        if probe is None or self.engine is None:
             return ack
         started = time.perf_counter()
         why: str | None
         try:
-            if self.engine is None or Score not in self.engine.requests:
-                raise DeliveryError("this engine cannot score a probe; push without verify=")
             scores = self.engine.handle(Score(probe.prompts, probe.completions))
             if not isinstance(scores, Scores) or scores.update_id != request.update_id:
                 why = f"the probe was scored by update {getattr(scores, 'update_id', '?')}"
@@ -322,8 +341,9 @@ class EngineHost:
             else:
                 deviation = Deviation(probe, scores.logprobs)
                 why = None if deviation.within(probe.tolerance) else f"{deviation} > tolerance {probe.tolerance:g}"
-        except ColosyncError as exc:
-            why, deviation = f"scoring the probe failed: {exc}", None
+        except Exception as exc:  # an unscored update is an unverified one: revert it like a mismatch
+            log.exception("engine: scoring the probe of update %d failed", request.update_id)
+            why, deviation = f"scoring the probe failed: {type(exc).__name__}: {exc}", None
         if why is not None:
             after = self.transactions.handle(Revert(request.update_id, why))
             self.serving = after.serving
@@ -346,7 +366,12 @@ class EngineHost:
         return self.reply_codec.encode(reply)
 
     def handle_bytes(self, data: bytes, session: Session | None = None) -> bytes:
-        return self.encode(self.handle(self.decode(data), session))
+        reply = self.handle(self.decode(data), session)
+        try:
+            return self.encode(reply)
+        except Exception as exc:  # a reply msgspec cannot encode must still be a reply
+            log.exception("engine: cannot encode a %s reply", type(reply).__name__)
+            return self.encode(Failed.from_exception(exc))
 
     def close(self) -> None:
         self.transactions.close()

@@ -49,8 +49,8 @@ def delivery_error(update_id: int, why: str, after: Ack) -> DeliveryError:
         outcome = f"the engine rolled back to update {after.committed_update_id} and serves it"
     elif not after.serving:
         outcome = (
-            "the engine cannot roll a full update back, so it refuses to serve (fails closed) until an "
-            "update commits and verifies: push a good update"
+            "the engine refuses to serve (it fails closed: a full update cannot be rolled back) until a full "
+            f"update commits: push a good one (update {after.committed_update_id} is committed, not served)"
         )
     else:
         outcome = f"the engine still serves update {update_id}"

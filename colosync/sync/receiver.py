@@ -83,7 +83,7 @@ class Receiver:
         self.policy = policy or ReceiverPolicy()
         self.committed_update_id = 0
         self.serving = True  # False after a full update failed verification (fail closed)
-        self._previous_update_id = 0  # what a revert of the last commit goes back to
+        self._previous: tuple[int, bool] | None = None  # (id, serving) a revert of the last commit goes back to
         self._delivery: Delivery | None = None  # what the last commit changed, for its Ack
         self._highest_update_id = 0
         self._spec = target.model_spec()
@@ -248,8 +248,10 @@ class Receiver:
         except BaseException as exc:
             self._end(f"commit failed: {exc}")
             raise
-        self._previous_update_id, self.committed_update_id = self.committed_update_id, update_id
-        self.serving = True
+        self._previous = (self.committed_update_id, self.serving)
+        self.committed_update_id = update_id
+        if tx.manifest.kind == "full":  # new base weights: what failed closed is replaced (a LoRA cannot fix it)
+            self.serving = True
         tx.prepared = None  # committed: now owned by the engine, not to be discarded
         self._inflight = None
         self._delivery = Delivery(changes.changed, changes.expected) if changes is not None else None
@@ -261,13 +263,15 @@ class Receiver:
 
     def revert(self, update_id: int, reason: str) -> Ack:
         """Undo the last commit (it failed verification): the engine's previous version, or fail closed."""
-        if update_id != self.committed_update_id:
+        if update_id != self.committed_update_id or self._previous is None:
             raise TransactionStateError(
-                f"revert of update {update_id}, but the last commit is "
-                f"{self.committed_update_id}; only the last commit can be reverted"
+                f"revert of update {update_id}, but the last commit is {self.committed_update_id}"
+                f"{' and it was already reverted' if self._previous is None else ''}; only the last commit can be "
+                "reverted, once"
             )
+        previous, self._previous = self._previous, None
         if self.target.revert(update_id):
-            self.committed_update_id = self._previous_update_id
+            self.committed_update_id, self.serving = previous
             log.warning("receiver: update %d reverted to %d: %s", update_id, self.committed_update_id, reason)
         else:
             self.serving = False

@@ -129,7 +129,11 @@ def _shm_pinned(device: str) -> Check:
     finally:
         sender.close()
     if torch.device(device).type != "cuda":
-        return Check("shm segment, pinned", True, "created and mapped (no CUDA: copies are plain memcpy)")
+        return Check(
+            "shm segment, pinned",
+            None,
+            "created and mapped, not pinned: no CUDA here to pin for (copies are plain memcpy)",
+        )
     return Check(
         "shm segment, pinned",
         pinned,

@@ -115,7 +115,7 @@ def test_a_full_update_that_does_not_verify_fails_closed_until_a_good_one(tiny_m
     named = list(model.named_parameters())
     with pytest.raises(DeliveryError, match="fails closed"):
         sender.push(named, verify=probe_of(model, shift=-0.5))
-    with pytest.raises(FailedClosedError, match="push a good update"):
+    with pytest.raises(FailedClosedError, match="push a good full update"):
         engine.call(Generate(PROMPTS, NEW))
     assert not engine.call(Status()).serving
     report = sender.push(named, verify=probe_of(model))

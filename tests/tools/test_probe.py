@@ -23,6 +23,9 @@ def test_report_names_each_check_and_the_auto_pick():
     assert report.auto == (works[0] if works else None)
     for verdict in report.transports:
         assert verdict.reason  # every verdict says why
+    pinned = next(c for c in report.checks if c.name == "shm segment, pinned")
+    assert pinned.ok is (None if not torch.cuda.is_available() else pinned.ok)  # never "ok" for memory not pinned
+    assert ("not pinned" in pinned.detail) == (pinned.ok is not True)
     if not torch.cuda.is_available():
         assert report.auto == "shm"
         assert not next(v for v in report.transports if v.name == "cuda_ipc").works

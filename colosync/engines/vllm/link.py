@@ -227,8 +227,8 @@ class _VllmLinkBase:
         elif self.serving or not self.failed_closed:
             self.failed_closed = (
                 f"the vLLM engine refuses to serve (failed closed): update {update_id} committed but failed "
-                "verification and a full update cannot be rolled back; push a good update (one that commits and "
-                "verifies) to serve again"
+                "verification and a full update cannot be rolled back; push a good update (a full one that "
+                "commits) to serve again"
             )
         self.serving = serving
 

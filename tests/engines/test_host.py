@@ -1,0 +1,153 @@
+"""EngineHost and Receiver edge cases a review found, each replayed in process.
+
+Scoring that raises, a commit whose structural count mismatches, a LoRA rolled back on top of
+a failed-closed engine, a second revert, ``verify=`` on an engine that cannot score, and an
+Attach whose transport cannot be opened: each must leave the engine either serving a
+verified version or refusing to serve, and never owned by a client that attached nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from colosync.engines.config import Score, Scores
+from colosync.engines.host import EngineHost
+from colosync.engines.store import StoreEngine
+from colosync.errors import TransactionStateError
+from colosync.sync.receiver import Receiver
+from colosync.sync.target import Changes
+from colosync.transports.shm import ShmSender
+from colosync.wire.bucket import fingerprint, plan_buckets
+from colosync.wire.manifest import LoraSpec, UpdateManifest
+from colosync.wire.protocol import Attach, Begin, Commit, Failed, Prepare, Probe, Revert, Stage, Status
+from tests.helpers import pack_into
+
+PROBE = Probe([[1, 2]], [[3]], [[-1.0]])
+LORA = LoraSpec(4, 8.0, ("q_proj",))
+NAMED = [
+    ("base_model.model.m.q_proj.lora_A.weight", torch.ones(4, 8)),
+    ("base_model.model.m.q_proj.lora_B.weight", torch.ones(8, 4)),
+]
+
+
+class Scoring(StoreEngine):
+    """A store that serves Score (from ``scores``) and counts what it changes as it is told."""
+
+    requests: ClassVar[tuple[type, ...]] = (Score,)
+    replies: ClassVar[tuple[type, ...]] = (Scores,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score_error: Exception | None = None
+        self.changes: Changes | None = None
+        self.revertible = True
+
+    def handle(self, request: Any) -> Scores:
+        if self.score_error is not None:
+            raise self.score_error
+        return Scores(self.committed_update_id, [[-1.0]])
+
+    def commit(self, prepared: Any, update_id: int) -> Changes | None:
+        super().commit(prepared, update_id)
+        return self.changes
+
+    def revert(self, update_id: int) -> bool:
+        return self.revertible
+
+
+@pytest.fixture
+def rig():
+    engine = Scoring()
+    host = EngineHost(engine.transactions(None), engine)
+    transport = ShmSender(1 << 16, 1, torch.device("cpu"))
+    assert not isinstance(host.handle(Attach("shm", transport.handle())), Failed)
+    transport.attached()
+    yield engine, host, transport
+    host.close()
+    transport.close()
+
+
+def prepared(host: EngineHost, transport: ShmSender, kind: str = "lora") -> int:
+    uid = host.handle(Status()).next_update_id()
+    named = NAMED if kind == "lora" else [("w", torch.ones(4))]
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    host.handle(Begin(UpdateManifest(uid, kind, layout, LORA if kind == "lora" else None)))
+    slot = transport.slot(0)[: layout.bucket_sizes[0]]
+    pack_into(slot, layout.tensors, [t for _, t in named])
+    host.handle(Stage(uid, 0, 0, layout.bucket_sizes[0], 0, fingerprint(slot)))
+    host.handle(Prepare(uid))
+    return uid
+
+
+def test_scoring_that_raises_reverts_instead_of_serving_an_unverified_update(rig):
+    engine, host, transport = rig
+    engine.score_error = RuntimeError("CUDA out of memory while scoring")
+    uid = prepared(host, transport)
+    reply = host.handle(Commit(uid, probe=PROBE))
+    assert isinstance(reply, Failed) and reply.error == "DeliveryError" and "CUDA out of memory" in reply.message
+    assert host.handle(Status()).committed_update_id == uid - 1  # rolled back
+
+
+def test_a_structural_mismatch_closes_the_serving_gate_at_once(rig):
+    engine, host, transport = rig
+    engine.changes, engine.revertible = Changes(1, 2), False
+    uid = prepared(host, transport, kind="full")
+    reply = host.handle(Commit(uid))
+    assert isinstance(reply, Failed) and reply.error == "DeliveryError" and "changed 1" in reply.message
+    other = host.open_session()
+    refused = host.handle(Score([[1]], [[2]]), other)
+    assert isinstance(refused, Failed) and refused.error == "FailedClosedError"
+
+
+def test_a_rolled_back_lora_does_not_reopen_a_failed_closed_engine():
+    engine = Scoring()
+    receiver = Receiver(engine)
+    host = EngineHost(receiver, engine)
+    transport = ShmSender(1 << 16, 1, torch.device("cpu"))
+    try:
+        host.handle(Attach("shm", transport.handle()))
+        transport.attached()
+        engine.revertible = False
+        full = prepared(host, transport, kind="full")
+        host.handle(Commit(full))
+        host.handle(Revert(full, "did not verify"))
+        assert not receiver.serving
+        engine.revertible = True
+        lora = prepared(host, transport)
+        host.handle(Commit(lora))
+        assert not receiver.serving  # a LoRA cannot repair unknown base weights
+        host.handle(Revert(lora, "did not verify"))
+        assert (receiver.committed_update_id, receiver.serving) == (full, False)
+        with pytest.raises(TransactionStateError, match="already reverted"):
+            receiver.revert(full, "twice")
+        again = prepared(host, transport, kind="full")
+        host.handle(Commit(again))
+        assert receiver.serving  # a full update that commits replaces what failed
+    finally:
+        host.close()
+        transport.close()
+
+
+def test_nothing_to_revert_on_a_fresh_engine():
+    with pytest.raises(TransactionStateError, match="only the last commit can be reverted"):
+        Receiver(StoreEngine()).revert(0, "no commit yet")
+
+
+def test_verify_on_an_engine_that_cannot_score_is_refused_before_commit(rig):
+    _, host, transport = rig
+    plain = EngineHost(host.transactions)  # the same Receiver, served without an engine that scores
+    plain.owner = plain._local
+    uid = prepared(host, transport)
+    reply = plain.handle(Commit(uid, probe=PROBE))
+    assert isinstance(reply, Failed) and reply.error == "ConfigError" and "push without verify=" in reply.message
+    assert host.handle(Status()).committed_update_id == uid - 1
+
+
+def test_an_attach_that_cannot_open_its_transport_leaves_no_owner():
+    host = EngineHost(Receiver(StoreEngine()))
+    session = host.open_session()
+    reply = host.handle(Attach("shm", b"\x93\xa4nope\x01\x01"), session)
+    assert isinstance(reply, Failed) and host.owner is None
