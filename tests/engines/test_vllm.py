@@ -364,7 +364,7 @@ def test_full_update_with_a_wrong_probe_fails_closed_until_a_good_one(
     wrong = Probe(PROMPTS, serving.tokens, [[lp - 0.5 for lp in row] for row in serving.logprobs], tolerance=TOL)
     with probing(vllm_sender, wrong), pytest.raises(DeliveryError, match="fails closed") as failed:
         vllm_sender.push(original.named_parameters())
-    assert "cannot roll a full update back" in str(failed.value)
+    assert "a full update cannot be rolled back" in str(failed.value)
     assert not vllm_engine.serving and vllm_engine.link.submit(Status()).wait().serving is False
     with pytest.raises(FailedClosedError, match="push a good update"):
         _ = vllm_engine.lora_request
