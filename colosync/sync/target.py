@@ -176,6 +176,11 @@ def validate_manifest(manifest: UpdateManifest, spec: ModelSpec) -> None:
         _validate_full(manifest.tensors, spec)
 
 
+def peft_base_name(name: str) -> str:
+    """The HF name behind a PEFT-wrapped one: ``base_model.model.x.q_proj.base_layer.weight`` -> ``x.q_proj.weight``."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def untie(manifest: UpdateManifest, tensors: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """``tensors`` without the tied copies, after checking each equals its tie (bytes arrived)."""
     if not spec.tied:
@@ -206,6 +211,13 @@ def _validate_full(tensors: tuple[TensorMeta, ...], spec: ModelSpec) -> None:
             t = msgspec.structs.replace(t, name=canonical)  # checked against the parameter it is tied to
         want = spec.params.get(t.name)
         if want is None:
+            unwrapped = peft_base_name(t.name)
+            if unwrapped != t.name and unwrapped in spec.params:
+                raise UnknownTensorError(
+                    f"full update names {t.name!r}, a PEFT wrapper's name for {unwrapped!r}: push the base model's "
+                    "own names, e.g. sender.push(peft_model.get_base_model().named_parameters()) after "
+                    "merge_and_unload(), or push_peft(peft_model) to send the adapter instead"
+                )
             close = [n for n in spec.params if n.endswith(t.name.split(".")[-1])][:3]
             raise UnknownTensorError(
                 f"full update names {t.name!r}, which the engine's model does not have; "

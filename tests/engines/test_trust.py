@@ -19,7 +19,14 @@ from colosync.engines.config import Generate, Score
 from colosync.engines.host import EngineHost, Session
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.store import StoreEngine
-from colosync.errors import DeliveryError, EngineBusyError, FailedClosedError, IncompleteUpdateError, TiedWeightError
+from colosync.errors import (
+    DeliveryError,
+    EngineBusyError,
+    FailedClosedError,
+    IncompleteUpdateError,
+    TiedWeightError,
+    UnknownTensorError,
+)
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 from colosync.wire.bucket import plan_buckets
@@ -78,6 +85,15 @@ def test_a_lora_missing_modules_of_its_targets_is_refused_with_the_list(engine, 
     message = str(info.value)
     assert "sends 1 of the 14 modules" in message and "missing 13" in message
     assert "model.layers.0.self_attn.k_proj" in message and "replaces the whole adapter" in message
+    assert served(engine) == before
+
+
+def test_a_peft_models_wrapped_names_are_refused_with_what_to_push(engine, sender, trainer):
+    before = served(engine)
+    wrapped = [(n, p) for n, p in trainer.named_parameters() if "lora_" not in n]
+    assert any(".base_layer." in n for n, _ in wrapped)
+    with pytest.raises(UnknownTensorError, match=r"PEFT wrapper's name for 'model\..*get_base_model\(\)"):
+        sender.push(wrapped)
     assert served(engine) == before
 
 
