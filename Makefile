@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/colosync demo
 
 # What `make lint` checks; .pre-commit-config.yaml runs the same three.
-LINT_PATHS := colosync tests stubs $(wildcard benchmarks/*.py)
+LINT_PATHS := colosync tests stubs examples $(wildcard benchmarks/*.py)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

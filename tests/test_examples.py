@@ -1,0 +1,34 @@
+"""The README's examples run as written: each ``examples/*.py`` runs to completion in a fresh process,
+and the README's quickstart block is that file, character for character."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(example):
+    run = subprocess.run(
+        [sys.executable, str(example)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS="error::DeprecationWarning"),
+    )
+    assert run.returncode == 0, f"{example.name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+
+
+def test_the_readme_quickstart_is_the_example_file():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert (ROOT / "examples" / "quickstart.py").read_text() in blocks, "README's quickstart differs from examples/"
