@@ -3,7 +3,6 @@ and the README shows each one as a block, character for character."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,6 @@ def test_example_runs(example):
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHONWARNINGS="error::DeprecationWarning"),
     )
     assert run.returncode == 0, f"{example.name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
 
@@ -32,3 +30,12 @@ def test_example_runs(example):
 def test_the_readme_shows_the_example_as_it_is(example):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     assert example.read_text() in blocks, f"the README's block for {example.name} differs from the file"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_import_only_current_paths(example):
+    from colosync._compat import MOVED
+
+    source = example.read_text()
+    old = [name for name in MOVED if re.search(rf"\b(from|import) {re.escape(name)}\b", source)]
+    assert not old, f"{example.name} imports 0.1 paths {old}; use the new homes (README: where 0.1's modules went)"
