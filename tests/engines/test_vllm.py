@@ -739,3 +739,17 @@ def test_tied_state_dict_with_lm_head_is_accepted_and_counted(tied):
     with pytest.raises(TiedWeightError, match="lm_head.weight"):
         tied.sender.push(list(state.items()))
     assert tied.engine.committed_update_id == before
+
+
+def test_a_head_size_the_cpu_backend_cannot_run_is_refused_at_start():
+    """Checked when the worker's Receiver is set up (``VllmEngine(llm)``), before any push or generate."""
+    import torch
+
+    from colosync.engines.vllm.worker import _check_cpu_head_size
+    from colosync.errors import ConfigError
+
+    small = SimpleNamespace(get_head_size=lambda: 16)
+    with pytest.raises(ConfigError, match=r"head size is 16.*needs at least 32.*hidden_size=128"):
+        _check_cpu_head_size(small, torch.device("cpu"))
+    _check_cpu_head_size(small, torch.device("cuda", 0))  # GPU kernels run small heads
+    _check_cpu_head_size(SimpleNamespace(get_head_size=lambda: 32), torch.device("cpu"))

@@ -49,7 +49,7 @@ import msgspec
 import torch
 
 from colosync.engines.host import EngineHost, codecs
-from colosync.errors import RankError, UnknownTensorError, UpdateRejected
+from colosync.errors import ConfigError, RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.target import Changes, EngineTarget, ModelSpec, ParamSpec, parse_lora_name, tied_parameters, untie
 from colosync.wire.manifest import UpdateManifest
@@ -128,6 +128,7 @@ class VllmTarget(EngineTarget):
         self.model_config = self.vllm_config.model_config
         self.lora_config = self.vllm_config.lora_config
         self.hf_config = self.model_config.hf_config
+        _check_cpu_head_size(self.model_config, _receiver_device(worker))
         self._spec = self._build_spec()
         self._packed = dict(getattr(self._model(), "packed_modules_mapping", {}) or {})
         self._groups: dict[str, set[str]] = {}  # vLLM layer -> the HF parameters it loads
@@ -449,6 +450,24 @@ class _WorkerState:
         self.receiver = Receiver(self.target, device=_receiver_device(worker), policy=ReceiverPolicy())
         self.host = EngineHost(self.receiver)  # one per worker: its codec caches the last Begin
         self.lock = threading.Lock()
+
+
+CPU_MIN_HEAD_SIZE = 32
+"""vLLM 0.32's CPU attention has no kernel for smaller heads: generation kills the engine."""
+
+
+def _check_cpu_head_size(model_config: Any, device: torch.device) -> None:
+    """Refuse, at start, a model vLLM's CPU backend would load and then crash on at the first generate."""
+    if device.type != "cpu":
+        return
+    head = model_config.get_head_size() if hasattr(model_config, "get_head_size") else None
+    if head is not None and head < CPU_MIN_HEAD_SIZE:
+        raise ConfigError(
+            f"this model's attention head size is {head}, and vLLM's CPU backend needs at least "
+            f"{CPU_MIN_HEAD_SIZE} (its attention kernels crash the engine at the first generate); use a model "
+            f"with hidden_size / num_attention_heads >= {CPU_MIN_HEAD_SIZE}, e.g. "
+            "make_tiny_llama(path, hidden_size=128, intermediate_size=256)"
+        )
 
 
 def _receiver_device(worker: Any) -> torch.device:
