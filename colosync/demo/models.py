@@ -38,11 +38,11 @@ class TinySizes:
     """The dimensions of a tiny model; every config field a test or example may override."""
 
     vocab_size: int = 512
-    hidden_size: int = 64
+    hidden_size: int = 128  # head size 32: the smallest vLLM's CPU attention runs
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    intermediate_size: int = 128
+    intermediate_size: int = 256
 
 
 def tiny_llama_config(**sizes: int) -> LlamaConfig:

@@ -106,13 +106,13 @@ B = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
     [
         (
             lambda n: n.__setitem__(
-                "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64)
+                "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 128)
             ),
             None,
             UnknownTensorError,
             ["layers.7.self_attn.q_proj", "no LoRA-capable module", "check the name"],
         ),
-        (lambda n: n.__setitem__(B, torch.zeros(64, 9)), None, ShapeMismatchError, [B, "expected [64, 8]", "rank"]),
+        (lambda n: n.__setitem__(B, torch.zeros(128, 9)), None, ShapeMismatchError, [B, "expected [128, 8]", "rank"]),
         (lambda n: n.__setitem__(A, n[A].to(torch.int32)), None, DtypeError, [A, "int32", "floating-point"]),
         (lambda n: n[B].view(-1).__setitem__(3, float("nan")), None, NonFiniteError, [B, "NaN", "reject_nonfinite"]),
         (lambda n: None, {"rank": 32}, RankError, ["rank 32", "max_lora_rank=16", "restart the engine"]),
