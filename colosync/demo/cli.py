@@ -127,7 +127,6 @@ def run_demo(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="colosync-demo-"))
-    # head size 32: the smallest vLLM's CPU attention runs
     model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed))  # head size 32: vLLM's CPU minimum
     task = Task.make(seed=seed)
     ray.init(
