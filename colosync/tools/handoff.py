@@ -392,7 +392,16 @@ def print_bench(result: dict[str, Any]) -> None:
         title=f"trainer sleep/wake on {result['device']} ({result['machine'].get('gpu', 'no GPU')})",
         title_justify="left",
     )
-    for col in ("backend", "GB", "tensors", "sleep GB/s", "wake GB/s", "first cycle sleep/wake", "verified", "note"):
+    for col in (
+        "backend",
+        "GB",
+        "tensors",
+        "sleep GB/s",
+        "wake GB/s",
+        "first cycle sleep / wake GB/s",
+        "verified",
+        "note",
+    ):
         table.add_column(col)
     for r in result["results"]:
         if not r.get("available"):

@@ -15,6 +15,7 @@ def test_handoff_bench_cpu_writes_json(tmp_path, capsys):
     assert rc == 0
     table = capsys.readouterr().out
     assert "torch" in table and "torch_memory_saver" in table
+    assert "first cycle sleep / wake GB/s" in " ".join(table.split())  # every figure's column names its unit
     data = json.loads(out.read_text())
     assert data["command"].startswith("colosync ") and "handoff-bench" in data["command"]
     assert data["machine"]["torch"] and data["date"] and data["device"] == "cpu"
