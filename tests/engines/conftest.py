@@ -67,27 +67,31 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
-@pytest.fixture(scope="session")
-def vllm_llm(vllm_model_dir):
+def _start_llm(model_dir: Path, tp: int, **options: int):
+    """A small fp32 vLLM engine with LoRA and colosync's worker extension, started under the CPU env."""
     LLM = _import_llm()
     from colosync.engines.vllm.worker import WORKER_EXTENSION
 
-    tp = vllm_tensor_parallel_size()
     with _vllm_env(tp):
-        llm = LLM(
-            model=str(vllm_model_dir),
+        return LLM(
+            model=str(model_dir),
             skip_tokenizer_init=True,
             dtype="float32",
             enable_lora=True,
             max_lora_rank=MAX_LORA_RANK,
             max_loras=1,
             enforce_eager=True,
-            max_model_len=256,
-            max_num_seqs=8,
-            block_size=BLOCK_SIZE,
             tensor_parallel_size=tp,
             worker_extension_cls=WORKER_EXTENSION,
+            **options,
         )
+
+
+@pytest.fixture(scope="session")
+def vllm_llm(vllm_model_dir):
+    llm = _start_llm(
+        vllm_model_dir, vllm_tensor_parallel_size(), max_model_len=256, max_num_seqs=8, block_size=BLOCK_SIZE
+    )
     yield llm
     _shutdown(llm)
 
@@ -103,23 +107,7 @@ def vllm_tied_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vllm_tied_llm(vllm_tied_model_dir):
     """A second, smaller engine (one worker) over the tied Qwen2, for the tied-embedding tests only."""
-    LLM = _import_llm()
-    from colosync.engines.vllm.worker import WORKER_EXTENSION
-
-    with _vllm_env(1):
-        llm = LLM(
-            model=str(vllm_tied_model_dir),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enable_lora=True,
-            max_lora_rank=MAX_LORA_RANK,
-            max_loras=1,
-            enforce_eager=True,
-            max_model_len=128,
-            max_num_seqs=4,
-            tensor_parallel_size=1,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
+    llm = _start_llm(vllm_tied_model_dir, 1, max_model_len=128, max_num_seqs=4)
     yield llm
     _shutdown(llm)
 
