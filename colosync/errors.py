@@ -165,3 +165,27 @@ def error_from_wire(name: str, message: str) -> ColosyncError:
     """Rebuild the exception a peer reported; unknown names become ``EngineError``."""
     cls = _all_error_types().get(name, EngineError)
     return cls(message)
+
+
+class IntegrationError(ColosyncError):
+    """A framework's internals are not what a colosync integration expects (``colosync.integrations``).
+
+    Raised before any training step; the message names the version found, the range colosync
+    was tested with, and what is missing.
+    """
+
+
+class ParticipantError(HandoffError):
+    """A handoff participant in another process failed or vanished during an operation.
+
+    ``participant`` and ``op`` name it and the operation; ``phase`` and ``step`` the plan's
+    step when an executor ran it. Whatever the other participant held stays with it."""
+
+    def __init__(self, message: str, *, participant: str = "", op: str = "", phase: str = "", step: int = 0) -> None:
+        super().__init__(message)
+        self.participant, self.op, self.phase, self.step = participant, op, phase, step
+
+
+class PeerFailedError(ColosyncError):
+    """Another rank of a collective source failed its part of a sync; this rank raises too, so none
+    carries on as if the engine had the update (the message names the ranks whose log says why)."""

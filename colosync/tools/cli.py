@@ -17,6 +17,7 @@ COMMANDS: tuple[str, ...] = (
     "colosync.demo.cli",
     "colosync.tools.probe",
     "colosync.tools.bench.sync",
+    "colosync.tools.bench.source",
     "colosync.tools.handoff",
 )
 
