@@ -6,4 +6,4 @@ Megatron source is used), so ``import colosync.sources`` stays light.
 
 from __future__ import annotations
 
-__all__ = ["megatron", "megatron_layout"]
+__all__ = ["architectures", "base", "fsdp", "megatron", "megatron_layout", "plain"]

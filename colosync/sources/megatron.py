@@ -8,7 +8,8 @@ Why it looks like this:
   -- ever holds converted tensors and talks to the engine. Every other rank only
   contributes its own shard: its TP peers on the sender's stage through a ``gather`` into
   the sender, ranks of other pipeline stages by point-to-point ``send`` straight to the
-  sender. No intermediate rank assembles a full tensor, and nothing is all-gathered.
+  sender. No intermediate rank assembles a full tensor, and nothing is all-gathered. (The
+  fused 3-D expert tensor of an MoE layer is the one HF tensor the sender must hold whole.)
 * **Plan first, tensors later.** The ``Sender`` plans its manifest from ``(name, shape,
   dtype)``. Every rank derives the same ordered plan from the same
   :class:`~colosync.sources.megatron_layout.ConversionContext`, so :meth:`MegatronSource.specs`
@@ -25,16 +26,24 @@ Why it looks like this:
   sender keeps draining the stream (participating in the remaining gathers without
   converting), then every rank learns the outcome from one broadcast; no rank hangs and
   every rank raises.
+* **Experts come from their owners, once.** For an MoE architecture the routed experts of
+  a layer live on the expert-parallel (EP) ranks, split over the expert-TP group; those
+  ranks may sit in other data-parallel replicas of the dense model. Each expert shard is
+  sent point-to-point by the one rank that owns it (the lowest rank holding that EP /
+  expert-TP position) straight to the sender, which assembles the fused HF tensor; the
+  dense tensors still come only from the sender's own model-parallel group.
 
-Not handled (each rejected with a message saying so): virtual pipeline chunks, MoE, biases,
-qk-norm, MLA. Full-weight updates send base weights; an adapter is not merged into them.
+Not handled (each rejected with a message saying so): virtual pipeline chunks, linear
+biases, MLA, Gated-DeltaNet hybrids, LoRA on experts. Full-weight updates send base
+weights; an adapter is not merged into them.
 
-One module (~430 lines): the collective schedule (who gathers, who sends, who raises when
-the engine refuses) must be read as one piece for every rank to be seen to agree.
+One module: the collective schedule (who gathers, who sends, who raises when the engine
+refuses) must be read as one piece for every rank to be seen to agree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -46,18 +55,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from colosync.sources.megatron_layout import (
-    ConversionContext,
-    ConversionError,
-    ConversionItem,
-    ParamKey,
-    Role,
-    Split,
-    convert,
-    hf_specs,
-    index_params,
-    plan,
-)
+from colosync.errors import ConversionError
+from colosync.sources.architectures.base import Role, Slot, Split
+from colosync.sources.architectures.context import ConversionContext
+from colosync.sources.architectures.layout import ConversionItem, convert, hf_specs, plan
+from colosync.sources.architectures.naming import ParamKey, index_params
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
@@ -69,11 +71,18 @@ _LAYER_MODULE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)$")
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The process groups of this rank's model-parallel group (``None``: a group of one)."""
+    """The process groups of this rank's model-parallel group (``None``: a group of one).
+
+    ``ep`` / ``etp`` / ``expert_mp`` are Megatron's expert-parallel, expert-tensor-parallel
+    and expert-TP x EP x PP groups; only MoE architectures use them.
+    """
 
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
     mp: dist.ProcessGroup | None = None  # tp x pp: the ranks that hold one model replica
+    ep: dist.ProcessGroup | None = None
+    etp: dist.ProcessGroup | None = None
+    expert_mp: dist.ProcessGroup | None = None  # etp x ep x pp: the ranks that hold every expert once
 
     @classmethod
     def from_megatron(cls) -> ParallelGroups:
@@ -84,6 +93,9 @@ class ParallelGroups:
             tp=parallel_state.get_tensor_model_parallel_group(),
             pp=parallel_state.get_pipeline_model_parallel_group(),
             mp=parallel_state.get_model_parallel_group(),
+            ep=parallel_state.get_expert_model_parallel_group(),
+            etp=parallel_state.get_expert_tensor_parallel_group(),
+            expert_mp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
         )
 
     @staticmethod
@@ -110,6 +122,34 @@ class ParallelGroups:
     def pp_size(self) -> int:
         return self._size(self.pp)
 
+    @property
+    def ep_rank(self) -> int:
+        return self._rank(self.ep)
+
+    @property
+    def ep_size(self) -> int:
+        return self._size(self.ep)
+
+    @property
+    def etp_rank(self) -> int:
+        return self._rank(self.etp)
+
+    @property
+    def etp_size(self) -> int:
+        return self._size(self.etp)
+
+
+_WRONG_ARCH_HINT = {
+    (Slot.QKV, Role.BIAS): "q/k/v biases are Qwen2's: use arch='qwen2'",
+    (Slot.Q_NORM, Role.WEIGHT): "q/k norms are Qwen3's: use arch='qwen3' (or 'qwen3_moe')",
+    (Slot.K_NORM, Role.WEIGHT): "q/k norms are Qwen3's: use arch='qwen3' (or 'qwen3_moe')",
+    (Slot.ROUTER, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
+    (Slot.EXPERT_FC1, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
+    (Slot.EXPERT_FC2, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
+    (Slot.FC1, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
+    (Slot.FC2, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
+}
+
 
 @dataclass
 class SourceStats:
@@ -126,11 +166,13 @@ class SourceStats:
 class MegatronSource:
     """Stream a Megatron-core model's weights or LoRA, converted to HF/PEFT, to one sender rank.
 
-    Every rank of the model-parallel group constructs it (a collective: it validates the
-    local parameters against the context on every rank and agrees on who sends) and calls
-    :meth:`push` or iterates :meth:`tensors` (collectives: every rank must take part).
+    Every rank of the model-parallel group -- and, for an MoE architecture, every rank of the
+    expert group that holds its experts (``sync_ranks``) -- constructs it (a collective: it
+    validates the local parameters against the context on every rank and agrees on who
+    sends) and calls :meth:`push` or iterates :meth:`tensors` (collectives: every rank must
+    take part).
 
-    >>> ctx = ConversionContext.from_megatron(config, vocab, padded_vocab, "lora", lora_spec, False)
+    >>> ctx = ConversionContext.from_megatron(config, vocab, padded_vocab, "lora", lora_spec, False, arch="qwen3")
     >>> source = MegatronSource(model, ctx, ParallelGroups.from_megatron())
     >>> sender = Sender(engine_link) if source.is_sender else None
     >>> source.push(sender)   # on every rank; only the sender rank talks to the engine
@@ -158,11 +200,17 @@ class MegatronSource:
         self.sender_stage = sender_stage
         self.stats = SourceStats()
         self.tp_rank, self.stage = groups.tp_rank, groups.pp_rank
+        self._moe = ctx.num_experts > 0
+        self.ep_rank, self.etp_rank = (groups.ep_rank, groups.etp_rank) if self._moe else (0, 0)
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self._collective = ctx.tp_size * ctx.pp_size > 1
+        self._collective = ctx.tp_size * ctx.pp_size > 1 or (self._moe and ctx.ep_size * ctx.expert_tp_size > 1)
         self._plan = plan(ctx)
         problems = self._check_layout(groups)
+        self._group = self._sync_group(groups)
+        self.sync_ranks: tuple[int, ...] = (
+            tuple(dist.get_process_group_ranks(self._group)) if self._collective and self._group is not None else (0,)
+        )  # the global ranks that take part in this source's syncs (one model replica)
         self._local: dict[ParamKey, tuple[str, torch.Tensor]] = {}
         if not problems:
             try:
@@ -172,13 +220,18 @@ class MegatronSource:
             problems += self._check_layer_numbers(model)
             problems += self._check_params()
         self._agree(problems, "validation")
-        self._ranks = self._rank_table() if self._collective else {}
-        self.sender_rank = self._ranks.get((sender_stage, 0), 0)
-        self.is_sender = (self.stage, self.tp_rank) == (sender_stage, 0)
+        # (stage, tp) -> rank of the sender's model-parallel group; (stage, ep, etp) -> the rank that sends experts
+        self._ranks: dict[tuple[int, int], int] = {}
+        self._owners: dict[tuple[int, int, int], int] = {}
+        self.sender_rank, self._me = 0, 0
+        self._dense, self.is_sender = True, (self.stage, self.tp_rank) == (sender_stage, 0)
+        if self._collective:
+            self._rank_tables()
         log.debug(
-            "megatron source: stage %d tp %d, sender is global rank %d, %d items",
+            "megatron source: stage %d tp %d ep %d, sender is global rank %d, %d items",
             self.stage,
             self.tp_rank,
+            self.ep_rank,
             self.sender_rank,
             len(self._plan),
         )
@@ -263,8 +316,8 @@ class MegatronSource:
         return report
 
     # -- moving tensors ---------------------------------------------------------------------
-    def _local_shard(self, item: ConversionItem) -> torch.Tensor:
-        _, param = self._local[item.key]
+    def _local_shard(self, item: ConversionItem, expert: int | None = None) -> torch.Tensor:
+        _, param = self._local[item.key if expert is None else item.expert_key(expert)]
         shard = param.detach().to(item.dtype).contiguous()
         self.stats.largest_held = max(self.stats.largest_held, shard.numel() * shard.element_size())
         return shard
@@ -283,6 +336,10 @@ class MegatronSource:
 
     def _bring(self, item: ConversionItem) -> torch.Tensor | None:
         """The full Megatron tensor of ``item`` on the sender rank; ``None`` on every other rank."""
+        if item.experts:
+            return self._bring_experts(item)
+        if not self._dense:  # another replica of the dense model (an EP peer): its copy is not needed
+            return None
         split = item.split is not Split.NONE and self.ctx.tp_size > 1
         if self.stage == item.stage:
             mine = self._local_shard(item) if split or self.tp_rank == 0 else None
@@ -323,6 +380,47 @@ class MegatronSource:
         self.stats.bytes_received += item.nbytes
         return self._join(full, chunks, item)
 
+    def _bring_experts(self, item: ConversionItem) -> torch.Tensor | None:
+        """Every expert's matrix of one layer, stacked, on the sender: each shard from its one owner.
+
+        The owner of (stage, EP rank, expert-TP rank) sends its local experts in order,
+        tagged with the local expert index; the sender posts every receive of the item
+        before waiting, and copies its own shards locally.
+        """
+        ctx = self.ctx
+        per, etp = ctx.local_experts, ctx.expert_tp_size
+        split = item.split is not Split.NONE and etp > 1
+        if not self.is_sender:
+            if self.stage == item.stage and self._owners.get((self.stage, self.ep_rank, self.etp_rank)) == self._me:
+                for i in range(per):
+                    mine = self._local_shard(item, i)
+                    dist.send(mine, dst=self.sender_rank, tag=i)
+                    self.stats.bytes_contributed += mine.numel() * mine.element_size()
+            return None
+        full = self._empty(item.shape, item)
+        works, pending = [], []
+        for e in range(ctx.num_experts):
+            ep, i = divmod(e, per)
+            for t in range(etp):
+                dst = full[e].chunk(etp, dim=item.split.value)[t] if split else full[e]
+                owner = self._owners[(item.stage, ep, t)] if self._collective else self._me
+                if owner == self._me:
+                    dst.copy_(self._local_shard(item, i))
+                    continue
+                buf = dst if dst.is_contiguous() else self._empty(dst.shape, item)
+                work = dist.irecv(buf, src=owner, tag=i)
+                if work is None:
+                    raise ConversionError("the sending rank is outside the expert group; check ParallelGroups")
+                works.append(work)
+                pending.append((dst, buf))
+        for work in works:
+            work.wait()
+        for dst, buf in pending:
+            if buf is not dst:
+                dst.copy_(buf)
+            self.stats.bytes_received += buf.numel() * buf.element_size()
+        return full
+
     @staticmethod
     def _join(full: torch.Tensor, chunks: list[torch.Tensor], item: ConversionItem) -> torch.Tensor:
         if item.split is Split.COLS:
@@ -330,24 +428,53 @@ class MegatronSource:
         return full
 
     # -- agreement --------------------------------------------------------------------------
-    def _rank_table(self) -> dict[tuple[int, int], int]:
-        """(stage, tp rank) -> global rank, for every rank of this model-parallel group."""
-        mine = torch.tensor([dist.get_rank(), self.stage, self.tp_rank], dtype=torch.int64, device=self.device)
-        size = dist.get_world_size(self.groups.mp)
-        everyone = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(everyone, mine, group=self.groups.mp)
-        table = {}
-        for row in everyone:
-            rank, stage, tp = (int(v) for v in row.tolist())
-            table[(stage, tp)] = rank
-        return table
+    def _sync_group(self, groups: ParallelGroups) -> dist.ProcessGroup | None:
+        """The group every rank of one sync belongs to: ``mp``, or the expert group that contains it.
+
+        With expert parallelism the experts of one model may sit in other data-parallel
+        replicas of the dense model (EP over DP) or inside this one (EP over TP); one of the
+        two groups then contains the other, and the larger is the sync's group.
+        """
+        if not (self._moe and self._collective) or groups.expert_mp is None:
+            return groups.mp
+        mine = {dist.get_rank()}
+        dense = set(dist.get_process_group_ranks(groups.mp)) if groups.mp is not None else mine
+        expert = set(dist.get_process_group_ranks(groups.expert_mp))
+        if dense <= expert:
+            return groups.expert_mp
+        if expert <= dense:
+            return groups.mp
+        raise ConversionError(
+            f"the model-parallel group {sorted(dense)} and the expert group {sorted(expert)} overlap without one "
+            "containing the other; this EP / expert-TP layout is not supported"
+        )
+
+    def _rank_tables(self) -> None:
+        """Agree, over the sync group, on the sender, its dense group and each expert shard's owner."""
+        me = dist.get_rank()
+        leader = min(dist.get_process_group_ranks(self.groups.mp)) if self.groups.mp is not None else me
+        row = [me, self.stage, self.tp_rank, self.ep_rank, self.etp_rank, leader]
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(everyone, mine, group=self._group)
+        rows = sorted(tuple(int(v) for v in r.tolist()) for r in everyone)
+        candidates = sorted(
+            (ep, etp, rank, lead) for rank, stage, tp, ep, etp, lead in rows if stage == self.sender_stage and tp == 0
+        )
+        _, _, sender, sender_leader = candidates[0]
+        self._me, self.sender_rank = me, sender
+        self._dense, self.is_sender = leader == sender_leader, me == sender
+        for rank, stage, tp, ep, etp, lead in rows:  # sorted by rank: the lowest rank owns a position
+            if lead == sender_leader:
+                self._ranks.setdefault((stage, tp), rank)
+            self._owners.setdefault((stage, ep, etp), rank)
 
     def _agree(self, problems: list[str], what: str) -> None:
         """Raise on every rank if any rank found a problem (so none is left in a collective)."""
         bad = bool(problems)
         if self._collective:
             flag = torch.tensor([int(bad)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.mp)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             anyone = bool(flag.item())
         else:
             anyone = bad
@@ -365,7 +492,7 @@ class MegatronSource:
         if not self._collective:
             return ok
         flag = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
-        dist.broadcast(flag, src=self.sender_rank, group=self.groups.mp)
+        dist.broadcast(flag, src=self.sender_rank, group=self._group)
         return bool(flag.item())
 
     # -- validation -------------------------------------------------------------------------
@@ -388,6 +515,18 @@ class MegatronSource:
                 f"ParallelGroups.mp has {dist.get_world_size(groups.mp)} ranks, expected TP x PP = "
                 f"{ctx.tp_size * ctx.pp_size}"
             )
+        if self._moe:
+            if (groups.ep_size, groups.etp_size) != (ctx.ep_size, ctx.expert_tp_size):
+                problems.append(
+                    f"the expert groups are EP={groups.ep_size} x expert-TP={groups.etp_size} but the context says "
+                    f"EP={ctx.ep_size} x expert-TP={ctx.expert_tp_size}; build the context from the model's "
+                    "TransformerConfig (expert_model_parallel_size, expert_tensor_parallel_size)"
+                )
+            if ctx.ep_size * ctx.expert_tp_size > 1 and groups.expert_mp is None:
+                raise ConversionError(
+                    "expert parallelism needs ParallelGroups with ep, etp and expert_mp "
+                    "(use ParallelGroups.from_megatron())"
+                )
         return problems
 
     def _check_layer_numbers(self, model: torch.nn.Module) -> list[str]:
@@ -414,47 +553,83 @@ class MegatronSource:
         return problems
 
     def _check_params(self) -> list[str]:
-        ctx, tp = self.ctx, self.ctx.tp_size
+        ctx = self.ctx
         problems = []
         mine = [item for item in self._plan if item.stage == self.stage]
         for item in mine:
-            found = self._local.get(item.key)
-            if found is None:
-                hint = (
-                    "; the adapter is missing on this module: attach it, or drop "
-                    f"{[o.name.split('.')[-3] for o in item.outputs]} from LoraSpec.target_modules"
-                    if item.role is not Role.WEIGHT
-                    else ""
-                )
-                problems.append(f"no local parameter for {item.describe()}{hint}")
-                continue
-            name, param = found
-            want = item.local_shape(tp)
-            if tuple(param.shape) != want:
-                why = (
-                    f" (lora rank {ctx.lora.rank} from the LoraSpec)"
-                    if item.role is not Role.WEIGHT and ctx.lora
-                    else ""
-                )
-                problems.append(
-                    f"{name} has shape {list(param.shape)}, expected {list(want)}{why} for TP rank "
-                    f"{self.tp_rank} of {tp}; check the context against the model's config"
-                )
-            if getattr(param, "tensor_model_parallel", False):
-                dim = getattr(param, "partition_dim", None)
-                if item.split is Split.NONE or dim != item.split.value:
-                    problems.append(
-                        f"{name} is split on dim {dim} by Megatron but the converter expects "
-                        f"{item.split.name}; the naming table maps it to the wrong slot"
-                    )
+            keys = [item.expert_key(i) for i in range(ctx.local_experts)] if item.experts else [item.key]
+            tp = ctx.expert_tp_size if item.experts else ctx.tp_size
+            for key in keys:
+                problems += self._check_param(item, key, tp)
+        problems += self._check_unconverted()
         if ctx.kind == "lora":
             wanted = set(ctx.lora_slots)
             for key, (name, _) in self._local.items():
-                if key.role is not Role.WEIGHT and key.slot not in wanted:
+                if key.role.base or key.slot in wanted:
+                    continue
+                if key.slot.expert:
+                    problems.append(
+                        f"{name} is a LoRA on a routed expert; LoRA on experts is not converted (refused by name): "
+                        "train the adapter on attention only"
+                    )
+                else:
                     problems.append(
                         f"{name} is an adapter weight but {key.slot.value} is not among the LoraSpec's "
                         f"target_modules {list(ctx.lora.target_modules) if ctx.lora else []}; add its HF names"
                     )
+        return problems
+
+    def _check_param(self, item: ConversionItem, key: ParamKey, tp: int) -> list[str]:
+        ctx = self.ctx
+        found = self._local.get(key)
+        if found is None:
+            hint = (
+                "; the adapter is missing on this module: attach it, or drop "
+                f"{[o.name.split('.')[-3] for o in item.outputs]} from LoraSpec.target_modules"
+                if not item.role.base
+                else ""
+            )
+            return [f"no local parameter for {key.describe()} ({item.describe()}){hint}"]
+        problems = []
+        name, param = found
+        want = item.local_shape(tp)
+        if tuple(param.shape) != want:
+            why = f" (lora rank {ctx.lora.rank} from the LoraSpec)" if not item.role.base and ctx.lora else ""
+            problems.append(
+                f"{name} has shape {list(param.shape)}, expected {list(want)}{why} for TP rank "
+                f"{self.etp_rank if item.experts else self.tp_rank} of {tp}; check the context against the "
+                "model's config"
+            )
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            dim = getattr(param, "partition_dim", None)
+            if item.split is Split.NONE or dim != item.split.value:
+                problems.append(
+                    f"{name} is split on dim {dim} by Megatron but the converter expects "
+                    f"{item.split.name}; the naming table maps it to the wrong slot"
+                )
+        return problems
+
+    def _check_unconverted(self) -> list[str]:
+        """A base tensor the architecture does not convert would be dropped: refuse it by name."""
+        ctx = self.ctx
+        base = plan(dataclasses.replace(ctx, kind="full", lora=None)) if ctx.kind == "lora" else self._plan
+        planned = {(it.slot, it.role, it.local_layer) for it in base if it.stage == self.stage}
+        problems = []
+        for key, (name, _) in self._local.items():
+            if not key.role.base or (key.slot, key.role, key.local_layer) in planned:
+                if key.expert is not None and key.expert >= ctx.local_experts:
+                    problems.append(
+                        f"{name} is local expert {key.expert} but the context has {ctx.local_experts} experts per "
+                        f"EP rank (num_experts={ctx.num_experts}, ep_size={ctx.ep_size})"
+                    )
+                continue
+            if key.slot is Slot.OUTPUT and ctx.tie_word_embeddings:
+                continue  # the last stage's copy of a tied embedding: the engine ties it
+            hint = _WRONG_ARCH_HINT.get((key.slot, key.role), "check the context against the model")
+            problems.append(
+                f"{name} ({key.slot.value}.{key.role.value}) is not converted by architecture {ctx.arch!r} and "
+                f"would be dropped; {hint}"
+            )
         return problems
 
 

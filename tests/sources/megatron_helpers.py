@@ -14,7 +14,9 @@
 * ``megatron_cpu_shims`` lets Megatron's forward run on CPU: it hard-codes
   ``torch.cuda.current_device()`` for a few buffers and forks a CUDA RNG state around
   attention dropout. The shims redirect the device to ``"cpu"`` and make the fork a no-op
-  (dropout is off in eval mode); they change where tensors live, not what is computed.
+  (dropout is off in eval mode), and give the MoE router the ``te_general_gemm = None`` its
+  failed Transformer-Engine import forgot to define; they change where tensors live and
+  which GEMM kernel runs, not what is computed.
 """
 
 from __future__ import annotations
@@ -36,11 +38,16 @@ LORA_NAMES: Mapping[Convention, tuple[str, str]] = {
     "nemo": ("adapter.linear_in", "adapter.linear_out"),
 }
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """A tiny Llama-style model that TP=4 can split (4 query groups)."""
+    """A tiny model of one architecture that TP=4 can split (4 query groups).
+
+    ``arch`` is a name of ``colosync.sources.architectures``; ``num_experts`` > 0 (with
+    ``moe_ffn_hidden_size``) for Qwen3-MoE; ``tie`` ties the output layer to the embedding.
+    """
 
     vocab_size: int = 250
     padded_vocab_size: int = 256  # Megatron pads the vocabulary to a multiple of the TP size
@@ -50,10 +57,29 @@ class Geometry:
     num_query_groups: int = 4
     ffn_hidden_size: int = 96
     rms_eps: float = 1e-6
+    arch: str = "llama"
+    tie: bool = False
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 2
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every HF module a LoRA of this architecture may target."""
+        return ATTENTION_TARGETS if self.num_experts else ALL_TARGETS
+
+
+GEOMETRIES: Mapping[str, Geometry] = {
+    "llama": Geometry(),
+    "qwen2": Geometry(arch="qwen2", tie=True),
+    "qwen3": Geometry(arch="qwen3"),
+    "qwen3_moe": Geometry(arch="qwen3_moe", num_layers=2, num_experts=4, moe_ffn_hidden_size=32, tie=True),
+}
+"""One tiny model per architecture (Qwen2 and Qwen3-MoE tied, as their small checkpoints are)."""
 
 
 # -- worlds ---------------------------------------------------------------------------------
@@ -194,10 +220,25 @@ def megatron_cpu_shims() -> None:
     tracker.fork = lambda name=None: contextlib.nullcontext()  # type: ignore[method-assign]  # a CPU shim
 
 
-def init_megatron(tp: int, pp: int) -> None:
+def _router_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router reads ``te_general_gemm`` even when Transformer Engine's
+    import failed and left it undefined; ``None`` selects its plain-torch GEMM, as intended."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def init_megatron(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    _router_without_transformer_engine()
     if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -206,10 +247,35 @@ def init_megatron(tp: int, pp: int) -> None:
         megatron_cpu_shims()
 
 
-def transformer_config(geom: Geometry, tp: int, pp: int, dtype: torch.dtype = torch.float32, init_std: float = 0.08):
+def transformer_config(
+    geom: Geometry,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.08,
+    ep: int = 1,
+    etp: int | None = None,
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    moe: dict[str, Any] = {}
+    if geom.num_experts:
+        moe = dict(
+            num_moe_experts=geom.num_experts,
+            moe_ffn_hidden_size=geom.moe_ffn_hidden_size,
+            moe_router_topk=geom.moe_topk,
+            moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine or the grouped_gemm CUDA package
+            moe_token_dispatcher_type="allgather",  # the alltoall dispatcher allocates CUDA streams
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            moe_router_dtype="fp32",
+        )
     return TransformerConfig(
+        add_qkv_bias=geom.arch == "qwen2",
+        qk_layernorm=geom.arch.startswith("qwen3"),
+        **moe,
         num_layers=geom.num_layers,
         hidden_size=geom.hidden_size,
         num_attention_heads=geom.num_heads,
@@ -244,15 +310,39 @@ def build_gpt(config: Any, geom: Geometry, seed: int = 0) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=geom.num_experts or None, qk_layernorm=config.qk_layernorm)
+    with _cpu_tensor_cuda():
+        return _gpt(GPTModel, config, spec, geom, parallel_state)
+
+
+@contextlib.contextmanager
+def _cpu_tensor_cuda():
+    """On a CPU-only torch, ``Tensor.cuda()`` is the tensor itself while a model is built.
+
+    Megatron moves a tied embedding to CUDA before all-reducing it between the first and last
+    pipeline stage; on CPU the all-reduce runs on gloo where the tensor already is.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]  # a CPU shim
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _gpt(GPTModel: Any, config: Any, spec: Any, geom: Geometry, parallel_state: Any) -> torch.nn.Module:
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=geom.padded_vocab_size,
         max_sequence_length=128,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=geom.tie,
         position_embedding_type="rope",
         rotary_base=10000,
     )
@@ -289,10 +379,16 @@ def _linear(rows: int, cols: int, dtype: torch.dtype) -> torch.nn.Linear:
 
 
 def attach_lora(
-    model: torch.nn.Module, rank: int, alpha: float, convention: Convention, dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    rank: int,
+    alpha: float,
+    convention: Convention,
+    dtype: torch.dtype = torch.float32,
+    experts: bool = False,
 ) -> list[str]:
     """Add a LoRA to every linear_qkv/linear_proj/linear_fc1/linear_fc2; returns the module names.
 
+    Routed experts' linears get one only with ``experts=True`` (to test that it is refused).
     Shapes are this rank's shards; values are zero until loaded (``load_megatron_tensors``).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -301,6 +397,8 @@ def attach_lora(
     wrapped = []
     for name, module in list(model.named_modules()):
         if not name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
+            continue
+        if ".experts." in name and not experts:
             continue
         out_local, in_local = module.weight.shape
         row = isinstance(module, RowParallelLinear)
@@ -331,49 +429,102 @@ def load_megatron_tensors(model: torch.nn.Module, tensors: Mapping[Any, torch.Te
 
 
 def local_shards(
-    ctx: Any, stage: int, tp_rank: int, hf: Mapping[str, torch.Tensor], pad: torch.Tensor
+    ctx: Any,
+    stage: int,
+    tp_rank: int,
+    hf: Mapping[str, torch.Tensor],
+    pad: torch.Tensor,
+    ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> dict[Any, torch.Tensor]:
-    """This rank's Megatron shards of every planned tensor, from HF/PEFT tensors."""
-    from colosync.sources.megatron_layout import plan, shard, to_megatron
+    """This rank's Megatron shards of every planned tensor (experts: its local ones), from HF/PEFT tensors."""
+    from colosync.sources.megatron_layout import local_params, plan, to_megatron
 
-    return {
-        item.key: shard(to_megatron(item, hf, ctx, pad), item.split, ctx.tp_size, tp_rank).clone()
-        for item in plan(ctx)
-        if item.stage == stage
-    }
+    out = {}
+    for item in plan(ctx):
+        if item.stage != stage:
+            continue
+        rank = (tp_rank if etp_rank is None else etp_rank) if item.experts else tp_rank
+        for key, value in local_params(item, to_megatron(item, hf, ctx, pad), ctx, rank, ep_rank).items():
+            out[key] = value.clone()
+    return out
 
 
 # -- HF / PEFT reference --------------------------------------------------------------------
 
 
-def make_reference(
-    geom: Geometry, lora_rank: int, lora_alpha: float, seed: int = 0
-) -> dict[str, dict[str, torch.Tensor]]:
-    """A seeded HF Llama plus a PEFT LoRA whose fused parts share lora_A (Megatron's layout).
+def hf_config(geom: Geometry) -> Any:
+    """The transformers config of ``geom``'s architecture (RoPE base 10000, as ``build_gpt``)."""
+    import transformers
 
-    Returns ``{"full": HF state dict, "lora": PEFT adapter state dict}``.
-    """
-    from peft import get_peft_model_state_dict
-    from transformers import LlamaForCausalLM
-
-    from colosync.demo.models import random_lora, tiny_llama_config
-
-    torch.manual_seed(seed)
-    config = tiny_llama_config(
+    common: dict[str, Any] = dict(
         vocab_size=geom.vocab_size,
         hidden_size=geom.hidden_size,
         num_hidden_layers=geom.num_layers,
         num_attention_heads=geom.num_heads,
         num_key_value_heads=geom.num_query_groups,
         intermediate_size=geom.ffn_hidden_size,
+        head_dim=geom.head_dim,
+        rms_norm_eps=geom.rms_eps,
+        tie_word_embeddings=geom.tie,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=geom.vocab_size - 1,  # vLLM stops at EOS, HF's reference greedy does not: keep it rare
+        pad_token_id=0,
     )
-    config.rms_norm_eps = geom.rms_eps
-    model = LlamaForCausalLM(config)
+    if geom.arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if geom.arch == "qwen2":
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if geom.arch == "qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
+    if geom.arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=geom.moe_ffn_hidden_size,
+            num_experts=geom.num_experts,
+            num_experts_per_tok=geom.moe_topk,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+        )
+    raise ValueError(geom.arch)
+
+
+def hf_class(geom: Geometry) -> Any:
+    import transformers
+
+    from colosync.sources.architectures import get
+
+    return getattr(transformers, get(geom.arch).hf_architecture)
+
+
+def make_reference(
+    geom: Geometry, lora_rank: int, lora_alpha: float, seed: int = 0
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A seeded HF model of ``geom.arch`` plus a PEFT LoRA whose fused parts share lora_A (Megatron's layout).
+
+    Returns ``{"full": the tensors a full update sends (a tied ``lm_head`` is the embedding and is
+    not among them), "lora": PEFT adapter state dict}``.
+    """
+    from peft import get_peft_model_state_dict
+
+    from colosync.demo.models import random_lora
+
+    torch.manual_seed(seed)
+    model = hf_class(geom)(hf_config(geom))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    full = {k: v.clone() for k, v in model.state_dict().items()}
-    peft_model = random_lora(model, rank=lora_rank, alpha=lora_alpha, targets=ALL_TARGETS, seed=seed + 1, scale=0.1)
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            else:
+                p.uniform_(0.5, 1.5)
+    full = {k: v.clone() for k, v in model.state_dict().items() if not (geom.tie and k == "lm_head.weight")}
+    peft_model = random_lora(model, rank=lora_rank, alpha=lora_alpha, targets=geom.targets, seed=seed + 1, scale=0.1)
     share_fused_lora_a(peft_model)
     lora = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     return {"full": full, "lora": lora}
@@ -386,7 +537,8 @@ def share_fused_lora_a(peft_model: torch.nn.Module) -> None:
             attn, mlp = layer.self_attn, layer.mlp
             for m in (attn.k_proj, attn.v_proj):
                 m.lora_A["default"].weight.copy_(attn.q_proj.lora_A["default"].weight)
-            mlp.up_proj.lora_A["default"].weight.copy_(mlp.gate_proj.lora_A["default"].weight)
+            if hasattr(mlp, "up_proj") and hasattr(mlp.up_proj, "lora_A"):
+                mlp.up_proj.lora_A["default"].weight.copy_(mlp.gate_proj.lora_A["default"].weight)
 
 
 def vocab_pad(geom: Geometry, seed: int = 7) -> torch.Tensor:
@@ -395,24 +547,18 @@ def vocab_pad(geom: Geometry, seed: int = 7) -> torch.Tensor:
     return torch.randn(geom.padded_vocab_size - geom.vocab_size, geom.hidden_size, generator=gen) * 100
 
 
-def hf_llama(geom: Geometry, full: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    from colosync.demo.models import tiny_llama_config
-
-    config = tiny_llama_config(
-        vocab_size=geom.vocab_size,
-        hidden_size=geom.hidden_size,
-        num_hidden_layers=geom.num_layers,
-        num_attention_heads=geom.num_heads,
-        num_key_value_heads=geom.num_query_groups,
-        intermediate_size=geom.ffn_hidden_size,
-    )
-    config.rms_norm_eps = geom.rms_eps
-    model = LlamaForCausalLM(config)
+def hf_model(geom: Geometry, full: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The HF model of ``geom.arch`` holding exactly ``full`` (a tied lm_head follows the embedding)."""
+    model = hf_class(geom)(hf_config(geom))
     missing, unexpected = model.load_state_dict(dict(full), strict=False)
-    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    allowed = {"lm_head.weight"} if geom.tie else set()
+    assert not unexpected and not [m for m in missing if "rotary" not in m and m not in allowed], (missing, unexpected)
+    if geom.tie:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.to(device=device, dtype=dtype).eval()
+
+
+hf_llama = hf_model  # the name the Llama-only tests used
 
 
 def lora_delta(a: torch.Tensor, b: torch.Tensor, rank: int, alpha: float) -> torch.Tensor:
@@ -443,12 +589,21 @@ def megatron_named(
     ctx: Any, hf: Mapping[str, torch.Tensor], pad: torch.Tensor, convention: Convention = "peft"
 ) -> dict[str, torch.Tensor]:
     """TP=1, PP=1 Megatron (local spec) parameter names and tensors for ``ctx``'s plan, from HF/PEFT."""
-    from colosync.sources.megatron_layout import Role, plan, to_megatron
+    from colosync.sources.megatron_layout import Role, local_params, plan, to_megatron
 
     a_name, b_name = LORA_NAMES[convention]
+    suffixes = {
+        Role.WEIGHT: "weight",
+        Role.BIAS: "bias",
+        Role.LORA_A: f"{a_name}.weight",
+        Role.LORA_B: f"{b_name}.weight",
+    }
     out = {}
     for item in plan(ctx):
         prefix = f"decoder.layers.{item.local_layer}." if item.local_layer is not None else ""
-        suffix = {Role.WEIGHT: "weight", Role.LORA_A: f"{a_name}.weight", Role.LORA_B: f"{b_name}.weight"}[item.role]
-        out[f"{prefix}{item.slot.value}.{suffix}"] = to_megatron(item, hf, ctx, pad)
+        for key, value in local_params(item, to_megatron(item, hf, ctx, pad), ctx, 0).items():
+            module = item.slot.value
+            if key.expert is not None:  # SequentialMLP: mlp.experts.local_experts.<i>.linear_fc1
+                module = module.replace("experts.", f"experts.local_experts.{key.expert}.")
+            out[f"{prefix}{module}.{suffixes[item.role]}"] = value
     return out

@@ -14,13 +14,13 @@ import torch
 from colosync.sync.target import EngineTarget
 
 from megatron_helpers import (
-    ALL_TARGETS,
+    GEOMETRIES,
     Convention,
     Geometry,
     attach_lora,
     build_gpt,
     close,
-    hf_llama,
+    hf_model,
     init_megatron,
     load_megatron_tensors,
     local_shards,
@@ -80,25 +80,38 @@ class FailingLink:
         self.inner.close()
 
 
-def _setup(tp: int, pp: int, ref: dict[str, Any], convention: Convention):
+def _setup(tp: int, pp: int, ref: dict[str, Any], convention: Convention, ep: int = 1, etp: int | None = None):
     from megatron.core import parallel_state
 
     from colosync.sources.megatron_layout import ConversionContext
     from colosync.wire.manifest import LoraSpec
 
-    init_megatron(tp, pp)
-    geom = Geometry()
-    config = transformer_config(geom, tp, pp)
+    init_megatron(tp, pp, ep, etp)
+    geom = Geometry(**ref.get("geometry", {}))
+    config = transformer_config(geom, tp, pp, ep=ep, etp=etp)
     model = build_gpt(config, geom)
     attach_lora(model, ref["rank"], ref["alpha"], convention)
-    spec = LoraSpec(rank=ref["rank"], alpha=ref["alpha"], target_modules=ALL_TARGETS)
-    ctx_lora = ConversionContext.from_megatron(config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, False)
+    spec = LoraSpec(rank=ref["rank"], alpha=ref["alpha"], target_modules=geom.targets)
+    ctx_lora = ConversionContext.from_megatron(
+        config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, geom.tie, arch=geom.arch
+    )
     ctx_full = dataclasses.replace(ctx_lora, kind="full", lora=None)
     stage, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    ep_rank, etp_rank = (
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
     hf = {**ref["full"], **ref["lora"]}
     loaded = 0
     for ctx in (ctx_full, ctx_lora):
-        loaded += load_megatron_tensors(model, local_shards(ctx, stage, tp_rank, hf, vocab_pad(geom)), ctx.naming)
+        shards = local_shards(ctx, stage, tp_rank, hf, vocab_pad(geom), ep_rank, etp_rank)
+        loaded += load_megatron_tensors(model, shards, ctx.naming)
+    if geom.tie and pp > 1 and parallel_state.is_pipeline_last_stage():
+        # the last stage's copy of the tied embedding (Megatron keeps it equal by an all-reduce)
+        embedding = torch.cat([ref["full"]["model.embed_tokens.weight"], vocab_pad(geom)])
+        with torch.no_grad():
+            model.output_layer.weight.copy_(embedding.chunk(tp)[tp_rank])
+        loaded += 1
     params = list(model.named_parameters())
     assert loaded == len(params), f"loaded {loaded} of {len(params)} real Megatron parameters: {[n for n, _ in params]}"
     return geom, model, ctx_lora, ctx_full, stage, tp_rank, params
@@ -114,20 +127,43 @@ def _push(source: Any, link: Any, bucket_bytes: int) -> Any:
 
 
 def exactness_worker(
-    rank: int, world: int, tp: int, pp: int, ref_path: str, convention: Convention, bucket_sizes: list[int]
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    ref_path: str,
+    convention: Convention,
+    bucket_sizes: list[int],
+    ep: int = 1,
+    etp: int | None = None,
+    extras: bool = True,
 ) -> dict[str, Any]:
-    """Push LoRA and full weights at every bucket size; compare with the reference exactly."""
+    """Push LoRA and full weights at every bucket size; compare with the reference exactly.
+
+    ``extras``: also run the laziness, failure and other-sender scenarios.
+    """
+    from megatron.core import parallel_state
+
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
 
     ref = torch.load(ref_path, weights_only=True)
-    geom, model, ctx_lora, ctx_full, stage, tp_rank, params = _setup(tp, pp, ref, convention)
+    geom, model, ctx_lora, ctx_full, stage, tp_rank, params = _setup(tp, pp, ref, convention, ep, etp)
     groups = ParallelGroups.from_megatron()
-    out: dict[str, Any] = {"stage": stage, "tp_rank": tp_rank, "pushes": [], "param_names": [n for n, _ in params]}
+    out: dict[str, Any] = {
+        "stage": stage,
+        "tp_rank": tp_rank,
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "pushes": [],
+        "param_names": [n for n, _ in params],
+    }
     for ctx, expected in ((ctx_lora, ref["lora"]), (ctx_full, ref["full"])):
         source = MegatronSource(model, ctx, groups)
-        local_bytes = max(math_bytes(it.local_shape(tp), it.dtype) for it in _mine(ctx, stage))
+        local_bytes = max(
+            math_bytes(it.local_shape(ctx.expert_tp_size if it.experts else tp), it.dtype) for it in _mine(ctx, stage)
+        )
         for bucket_bytes in bucket_sizes:
             target = RecordingTarget(ref["full"]) if source.is_sender else None
             receiver = Receiver(target) if target else None
@@ -137,6 +173,7 @@ def exactness_worker(
                 "kind": ctx.kind,
                 "bucket_bytes": bucket_bytes,
                 "is_sender": source.is_sender,
+                "replica": min(source.sync_ranks),
                 "stats": dataclasses.asdict(source.stats),
                 "max_local_shard": local_bytes,
             }
@@ -144,6 +181,8 @@ def exactness_worker(
                 receiver.close()
                 record.update(_check_received(target, expected, ctx, report))
             out["pushes"].append(record)
+    if not extras:
+        return out
     out["lazy"] = _laziness(model, ctx_lora, groups)
     out["failure"] = _failure_then_success(model, ctx_lora, groups, ref)
     if pp > 1:
@@ -266,21 +305,26 @@ def _push_from_stage(model: Any, ctx: Any, groups: Any, ref: dict[str, Any], sen
 # -- forward parity -------------------------------------------------------------------------
 
 
-def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 12) -> dict[str, Any]:
-    """Real Megatron forward vs the HF model built from the converted stream, at ``tp``.
+def forward_worker(
+    rank: int, world: int, tp: int, dtype_name: str, seq: int = 12, arch: str = "llama", ep: int = 1
+) -> dict[str, Any]:
+    """Real Megatron forward vs the HF model built from the converted stream, at ``tp`` (and ``ep``).
 
-    Megatron's weights are Megatron's own initialization and the LoRA is drawn directly in
-    Megatron's global layout, so nothing here relies on the converter's inverse.
+    Every weight is drawn directly in Megatron's global layout (qkv interleaved per group,
+    ``[gate; up]`` per TP shard, each expert its own values) and sharded as Megatron shards
+    it, and so is the LoRA, so nothing here relies on the converter's inverse. Norm weights,
+    q/k norms and q/k/v biases get values away from Megatron's ones/zeros init, so a swapped
+    or dropped one changes the logits.
     """
     import peft
     from megatron.core import parallel_state
 
     from colosync.sources.megatron import MegatronSource, ParallelGroups
-    from colosync.sources.megatron_layout import ConversionContext, plan, shard
+    from colosync.sources.megatron_layout import ConversionContext, Role, local_params, plan
     from colosync.wire.manifest import LoraSpec
 
     dtype = getattr(torch, dtype_name)
-    init_megatron(tp, 1)
+    init_megatron(tp, 1, ep)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.distributed.get_backend() == "nccl"
@@ -289,19 +333,37 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    geom = Geometry(num_layers=2)
-    config = transformer_config(geom, tp, 1, dtype)
+    geom = dataclasses.replace(GEOMETRIES[arch], num_layers=2)
+    config = transformer_config(geom, tp, 1, dtype, ep=ep)
     model = build_gpt(config, geom, seed=11)
     lora_rank, alpha = 4, 6.0
     attach_lora(model, lora_rank, alpha, "nemo", dtype)
     model = model.to(device).eval()
-    spec = LoraSpec(rank=lora_rank, alpha=alpha, target_modules=ALL_TARGETS)
-    ctx_lora = ConversionContext.from_megatron(config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, False)
+    spec = LoraSpec(rank=lora_rank, alpha=alpha, target_modules=geom.targets)
+    ctx_lora = ConversionContext.from_megatron(
+        config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, geom.tie, arch=arch
+    )
     ctx_full = dataclasses.replace(ctx_lora, kind="full", lora=None)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_rank, ep_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     gen = torch.Generator().manual_seed(5)
-    lora_global = {it.key: torch.randn(it.shape, generator=gen) * 0.15 for it in plan(ctx_lora)}
+
+    def draw(item: Any) -> torch.Tensor:
+        if item.role is Role.BIAS:
+            return torch.randn(item.shape, generator=gen) * 0.1
+        if len(item.shape) == 1:  # norms
+            return torch.rand(item.shape, generator=gen) + 0.5
+        return torch.randn(item.shape, generator=gen) * (0.15 if not item.role.base else 0.08)
+
+    base_global = {it: draw(it) for it in plan(ctx_full)}
+    lora_global = {it: draw(it) for it in plan(ctx_lora)}
     ids = torch.randint(0, geom.vocab_size, (2, seq), generator=gen)
+
+    def load(tensors: dict[Any, torch.Tensor], scale: float) -> None:
+        local = {}
+        for it, full in tensors.items():
+            local.update(local_params(it, full * scale, ctx_full, etp_rank if it.experts else tp_rank, ep_rank))
+        load_megatron_tensors(model, {k: v.to(device, dtype) for k, v in local.items()}, ctx_lora.naming)
 
     def megatron_logits() -> torch.Tensor:
         pos = torch.arange(seq).expand(2, seq).to(device)
@@ -309,24 +371,21 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
         with torch.no_grad():
             return model(ids.to(device), pos, attention_mask=mask)[..., : geom.vocab_size].float().cpu()
 
-    def set_lora(on: bool) -> None:
-        local = {it.key: shard(lora_global[it.key], it.split, tp, tp_rank) * float(on) for it in plan(ctx_lora)}
-        load_megatron_tensors(model, {k: v.to(device, dtype) for k, v in local.items()}, ctx_lora.naming)
-
     groups = ParallelGroups.from_megatron()
-    set_lora(False)
+    load(base_global, 1.0)
+    load(lora_global, 0.0)
     base_logits = megatron_logits()
-    set_lora(True)
+    load(lora_global, 1.0)
     lora_logits = megatron_logits()
     full = dict(MegatronSource(model, ctx_full, groups).tensors())
     adapter = dict(MegatronSource(model, ctx_lora, groups).tensors())
     if rank != 0:
         return {}
-    hf = hf_llama(geom, full, dtype, str(device))
+    hf = hf_model(geom, full, dtype, str(device))
     with torch.no_grad():
         hf_base = hf(input_ids=ids.to(device)).logits.float().cpu()
     peft_model = peft.get_peft_model(
-        hf, peft.LoraConfig(r=lora_rank, lora_alpha=alpha, target_modules=list(ALL_TARGETS), lora_dropout=0.0)
+        hf, peft.LoraConfig(r=lora_rank, lora_alpha=alpha, target_modules=list(geom.targets), lora_dropout=0.0)
     )
     result = peft.set_peft_model_state_dict(peft_model, adapter)
     assert not [k for k in result.unexpected_keys if "lora_" in k], result.unexpected_keys
@@ -347,12 +406,22 @@ def forward_worker(rank: int, world: int, tp: int, dtype_name: str, seq: int = 1
 
 
 def engine_worker(
-    rank: int, world: int, tp: int, ref_path: str, address_bytes: bytes, model_geometry: dict[str, Any]
+    rank: int,
+    world: int,
+    tp: int,
+    ref_path: str,
+    address_bytes: bytes,
+    model_geometry: dict[str, Any],
+    kind: str = "lora",
+    ep: int = 1,
+    engine_name: str = "hf",
 ) -> dict[str, Any]:
-    """A TP=``tp`` Megatron model with a Megatron-layout LoRA, pushed into a running hf engine.
+    """A TP=``tp`` (EP=``ep``) Megatron model holding ``ref``'s weights and LoRA, pushed into a running hf engine.
 
-    With more ranks than ``tp`` there are several data-parallel replicas; only replica 0's
-    model-parallel group syncs (one engine, one payload).
+    ``kind="lora"`` pushes the adapter, ``"full"`` the base weights. With more ranks than one
+    replica needs there are several data-parallel replicas; only replica 0 syncs (one
+    engine, one payload): its model-parallel group, plus the expert-parallel ranks that hold
+    its experts.
     """
     import msgspec
     from megatron.core import parallel_state
@@ -365,27 +434,30 @@ def engine_worker(
 
     ref = torch.load(ref_path, weights_only=True)
     geom = Geometry(**model_geometry)
-    init_megatron(tp, 1)
-    if parallel_state.get_data_parallel_rank() != 0:
+    init_megatron(tp, 1, ep)
+    replica_zero = parallel_state.get_data_parallel_rank() == 0 or (
+        geom.num_experts and parallel_state.get_expert_data_parallel_rank() == 0
+    )
+    if not replica_zero:
         return {"is_sender": False, "yielded": 0, "replica": parallel_state.get_data_parallel_rank()}
-    config = transformer_config(geom, tp, 1)
+    config = transformer_config(geom, tp, 1, ep=ep)
     model = build_gpt(config, geom)
     attach_lora(model, ref["rank"], ref["alpha"], "peft")
-    spec = LoraSpec(rank=ref["rank"], alpha=ref["alpha"], target_modules=ALL_TARGETS)
-    ctx = ConversionContext.from_megatron(config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, False)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    hf = {**ref["full"], **ref["lora"]}
-    load_megatron_tensors(model, local_shards(ctx, 0, tp_rank, hf, vocab_pad(geom)), ctx.naming)
-    load_megatron_tensors(
-        model,
-        local_shards(dataclasses.replace(ctx, kind="full", lora=None), 0, tp_rank, hf, vocab_pad(geom)),
-        ctx.naming,
+    spec = LoraSpec(rank=ref["rank"], alpha=ref["alpha"], target_modules=geom.targets)
+    ctx = ConversionContext.from_megatron(
+        config, geom.vocab_size, geom.padded_vocab_size, "lora", spec, geom.tie, arch=geom.arch
     )
-    source = MegatronSource(model, ctx, ParallelGroups.from_megatron())
+    full_ctx = dataclasses.replace(ctx, kind="full", lora=None)
+    tp_rank, ep_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    hf = {**ref["full"], **ref["lora"]}
+    for c in (ctx, full_ctx):
+        load_megatron_tensors(model, local_shards(c, 0, tp_rank, hf, vocab_pad(geom), ep_rank, etp_rank), c.naming)
+    source = MegatronSource(model, ctx if kind == "lora" else full_ctx, ParallelGroups.from_megatron())
     if not source.is_sender:
         source.push(None)
         return {"is_sender": False, "yielded": source.stats.tensors_yielded}
-    link = connect(msgspec.msgpack.decode(address_bytes, type=EngineAddress), "hf")
+    link = connect(msgspec.msgpack.decode(address_bytes, type=EngineAddress), engine_name)
     try:
         with Sender(link, transport="shm") as sender:
             report = source.push(sender)
@@ -397,3 +469,75 @@ def engine_worker(
         "tensors": report.tensors,
         "yielded": source.stats.tensors_yielded,
     }
+
+
+# -- the parent's side of the engine tests ----------------------------------------------------
+
+ENGINE_PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
+
+
+def full_then_lora_through_engine(
+    world: Any, tmp_path: Any, engine_name: str, geom: Geometry, tp: int, ep: int, tolerance: float
+) -> None:
+    """Start ``engine_name`` on one checkpoint; push the trainer's other weights (full), then a LoRA.
+
+    After each push the engine's greedy tokens must equal HF's (then PEFT's) with the
+    trainer's weights, and its logprobs agree within ``tolerance``.
+    """
+    import msgspec
+    from peft import get_peft_model_state_dict
+
+    from colosync.demo.models import greedy, random_lora
+    from colosync.engines.config import EngineConfig, Generate
+    from colosync.engines.process import EngineProcess
+
+    from megatron_helpers import hf_class, hf_config, share_fused_lora_a
+
+    rank, alpha = 4, 10.0
+
+    def seeded(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = hf_class(geom)(hf_config(geom))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() > 1 or name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+                else:
+                    p.uniform_(0.5, 1.5)
+        return model.eval()
+
+    engine_model = seeded(1)
+    engine_model.save_pretrained(tmp_path / geom.arch)
+    base_tokens, _ = greedy(engine_model, ENGINE_PROMPTS, 8)
+    trainer_model = seeded(2)
+    full = {k: v.clone() for k, v in trainer_model.state_dict().items() if not (geom.tie and k == "lm_head.weight")}
+    full_tokens, full_logprobs = greedy(trainer_model, ENGINE_PROMPTS, 8)
+    assert full_tokens != base_tokens, "the full update must change the generations for the test to mean anything"
+    peft_model = random_lora(trainer_model, rank=rank, alpha=alpha, targets=geom.targets, seed=9, scale=0.3)
+    share_fused_lora_a(peft_model)
+    lora_tokens, lora_logprobs = greedy(peft_model, ENGINE_PROMPTS, 8)
+    assert lora_tokens != full_tokens, "the adapter must change the generations for the test to mean anything"
+    ref_path = tmp_path / "reference.pt"
+    lora = get_peft_model_state_dict(peft_model)
+    torch.save({"full": full, "lora": lora, "rank": rank, "alpha": alpha}, ref_path)
+
+    config = EngineConfig(engine=engine_name, model_dir=str(tmp_path / geom.arch), max_lora_rank=16)
+    with EngineProcess(config) as engine:
+        assert engine.call(Generate(prompts=ENGINE_PROMPTS, max_new_tokens=8)).tokens == base_tokens
+        address = msgspec.msgpack.encode(engine.address)
+        for kind, want_tokens, want_logprobs in (
+            ("full", full_tokens, full_logprobs),
+            ("lora", lora_tokens, lora_logprobs),
+        ):
+            geometry = dataclasses.asdict(geom)
+            ranks = world.run(engine_worker, tp, str(ref_path), address, geometry, kind, ep, engine_name)
+            senders = [r for r in ranks if r["is_sender"]]
+            assert len(senders) == 1, "one rank per engine sends"
+            assert all(r["yielded"] == 0 for r in ranks if not r["is_sender"])
+            got = engine.call(Generate(prompts=ENGINE_PROMPTS, max_new_tokens=8))
+            assert got.update_id == senders[0]["update_id"], kind
+            assert got.tokens == want_tokens, kind
+            worst = max(
+                abs(a - b) for g, w in zip(got.logprobs, want_logprobs, strict=True) for a, b in zip(g, w, strict=True)
+            )
+            assert worst <= tolerance, (kind, worst)

@@ -1,5 +1,6 @@
-"""End to end on CPU: a Megatron-layout LoRA gathered at TP=2, pushed through the Sender into
-the ``hf`` engine process, generates the same greedy tokens as the PEFT reference."""
+"""End to end on CPU: Megatron weights gathered at TP=2 (EP=2 for Qwen3-MoE), pushed through the
+Sender into the ``hf`` engine process, generate the same greedy tokens as the HF / PEFT reference:
+a LoRA for Llama, then for every architecture a full update followed by a LoRA."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_helpers import ALL_TARGETS, Geometry, share_fused_lora_a
-from megatron_workers import engine_worker
+from megatron_workers import engine_worker, full_then_lora_through_engine
 
 RANK, ALPHA = 4, 10.0
 PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
@@ -59,3 +60,23 @@ def test_tp2_megatron_lora_through_sender_matches_peft_greedy(cpu_world, tmp_pat
     assert got.tokens == want_tokens
     for got_lp, want_lp in zip(got.logprobs, want_logprobs, strict=False):
         assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+ENGINE_CASES = {
+    "llama-tp2": ("llama", 2, 1),
+    "qwen2-tied-tp2": ("qwen2", 2, 1),
+    "qwen3-tp2": ("qwen3", 2, 1),
+    "qwen3moe-tp2-ep2": ("qwen3_moe", 2, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_full_then_lora_pushes_match_hf_and_peft_greedy(cpu_world, tmp_path, case):
+    """The engine starts from one checkpoint; the trainer holds other weights (and a LoRA).
+    A full push must make the engine generate what HF generates with the trainer's weights;
+    the LoRA push after it what PEFT generates with that adapter on them."""
+    from megatron_helpers import GEOMETRIES
+
+    arch, tp, ep = ENGINE_CASES[case]
+    geom = dataclasses.replace(GEOMETRIES[arch], num_layers=2)
+    full_then_lora_through_engine(cpu_world, tmp_path, "hf", geom, tp, ep, tolerance=1e-4)

@@ -17,6 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colosync.sources import megatron, megatron_layout
+from colosync.sources.architectures import base as layout_base
+from colosync.sources.architectures import context as layout_context
+from colosync.sources.architectures import layout as layout_layout
+from colosync.sources.architectures import naming as layout_naming
 from colosync.sources.megatron import MegatronSource, ParallelGroups
 from colosync.sources.megatron_layout import (
     DEFAULT_NAMING,
@@ -41,7 +45,10 @@ from colosync.wire.manifest import LoraSpec
 
 from megatron_helpers import (
     ALL_TARGETS,
+    GEOMETRIES,
     Geometry,
+    hf_class,
+    hf_config,
     make_reference,
     megatron_named,
     module_from_named,
@@ -56,8 +63,12 @@ def _ctx(
     geom: Geometry = DEFAULT_GEOMETRY, kind: str = "lora", tp: int = 1, pp: int = 1, **changes
 ) -> ConversionContext:
     """A context for ``geom``; ``changes`` override fields (``lora`` defaults to rank 6, alpha 9 for kind='lora')."""
-    lora = LoraSpec(rank=6, alpha=9.0, target_modules=ALL_TARGETS) if kind == "lora" else None
+    lora = LoraSpec(rank=6, alpha=9.0, target_modules=geom.targets) if kind == "lora" else None
     fields = dict(
+        arch=geom.arch,
+        tie_word_embeddings=geom.tie,
+        num_experts=geom.num_experts,
+        moe_ffn_hidden_size=geom.moe_ffn_hidden_size,
         num_layers=geom.num_layers,
         hidden_size=geom.hidden_size,
         num_attention_heads=geom.num_heads,
@@ -95,6 +106,27 @@ def _ctx(
         ("decoder.layers.5.mlp.linear_fc1.adapter.linear_in.weight", ParamKey(Slot.FC1, Role.LORA_A, 5)),
         ("decoder.layers.5.mlp.linear_fc1.adapter.linear_out.weight", ParamKey(Slot.FC1, Role.LORA_B, 5)),
         ("embedding.word_embeddings.weight", ParamKey(Slot.EMBEDDING, Role.WEIGHT)),
+        # Qwen2 / Qwen3 / Qwen3-MoE
+        ("decoder.layers.2.self_attention.linear_qkv.bias", ParamKey(Slot.QKV, Role.BIAS, 2)),
+        ("decoder.layers.2.self_attention.linear_qkv.base_layer.bias", ParamKey(Slot.QKV, Role.BIAS, 2)),
+        ("decoder.layers.1.self_attention.q_layernorm.weight", ParamKey(Slot.Q_NORM, Role.WEIGHT, 1)),
+        ("decoder.layers.1.self_attention.k_layernorm.weight", ParamKey(Slot.K_NORM, Role.WEIGHT, 1)),
+        ("decoder.layers.0.mlp.router.weight", ParamKey(Slot.ROUTER, Role.WEIGHT, 0)),
+        (
+            "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight",
+            ParamKey(Slot.EXPERT_FC1, Role.WEIGHT, 0, 3),
+        ),
+        (
+            "decoder.layers.4.mlp.experts.local_experts.11.linear_fc2.weight",
+            ParamKey(Slot.EXPERT_FC2, Role.WEIGHT, 4, 11),
+        ),
+        # TEGroupedMLP (moe_grouped_gemm=True): one weight<i> per local expert
+        ("decoder.layers.0.mlp.experts.linear_fc1.weight5", ParamKey(Slot.EXPERT_FC1, Role.WEIGHT, 0, 5)),
+        ("decoder.layers.0.mlp.experts.linear_fc2.weight0", ParamKey(Slot.EXPERT_FC2, Role.WEIGHT, 0, 0)),
+        (
+            "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.lora_A.weight",
+            ParamKey(Slot.EXPERT_FC1, Role.LORA_A, 0, 1),
+        ),
         ("output_layer.weight", ParamKey(Slot.OUTPUT, Role.WEIGHT)),
     ],
 )
@@ -112,8 +144,12 @@ def test_unknown_names_ask_for_a_naming_rule_and_rules_extend_the_table():
         ),
     )
     assert classify(name, extended) == ParamKey(Slot.QKV, Role.LORA_A, 0)
-    with pytest.raises(ConversionError, match="bias"):
-        classify("decoder.layers.0.self_attention.linear_qkv.bias", DEFAULT_NAMING)
+    with pytest.raises(ConversionError, match="bias"):  # add_bias_linear: no architecture here has it
+        classify("decoder.layers.0.self_attention.linear_proj.bias", DEFAULT_NAMING)
+    with pytest.raises(ConversionError, match="shared expert"):
+        classify("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", DEFAULT_NAMING)
+    with pytest.raises(ConversionError, match="legacy GroupedMLP"):
+        classify("decoder.layers.0.mlp.experts.weight1", DEFAULT_NAMING)
 
 
 # -- layouts against explicit oracles --------------------------------------------------------
@@ -123,7 +159,7 @@ geometries = st.tuples(
     st.integers(1, 3),  # query groups per TP rank
     st.integers(1, 4),  # query heads per group
     st.sampled_from([2, 4]),  # head_dim
-    st.sampled_from([1, 3]),  # trailing dim (hidden, or a LoRA rank)
+    st.sampled_from([0, 1, 3]),  # trailing dim (hidden, or a LoRA rank); 0: none (the q/k/v bias)
 )
 
 
@@ -139,9 +175,10 @@ def test_qkv_deinterleave_matches_per_head_oracle(g):
         tp=tp,
         padded_vocab_size=256,
     )
-    q = torch.randn(heads * hd, rest)
-    k = torch.randn(groups * hd, rest)
-    v = torch.randn(groups * hd, rest)
+    trailing = (rest,) if rest else ()
+    q = torch.randn(heads * hd, *trailing)
+    k = torch.randn(groups * hd, *trailing)
+    v = torch.randn(groups * hd, *trailing)
 
     def head(t: torch.Tensor, i: int) -> torch.Tensor:
         return t[i * hd : (i + 1) * hd]
@@ -243,7 +280,7 @@ def test_context_from_real_transformer_config_rejects_unsupported_architecture()
 def test_no_kwargs_anywhere_on_the_conversion_path():
     """Context cannot be dropped by a stage that forwards **kwargs: there is no such stage."""
     offenders, inspected = [], set()
-    for module in (megatron, megatron_layout):
+    for module in (megatron, layout_base, layout_naming, layout_context, layout_layout):
         for name, obj in vars(module).items():
             if getattr(obj, "__module__", None) != module.__name__:
                 continue
@@ -285,14 +322,16 @@ def reference():
     return make_reference(Geometry(num_layers=2), lora_rank=6, lora_alpha=9.0, seed=5)
 
 
-def _source(ctx: ConversionContext, reference: dict, convention: str = "peft") -> MegatronSource:
+def _source(
+    ctx: ConversionContext, reference: dict, convention: str = "peft", geom: Geometry = DEFAULT_GEOMETRY
+) -> MegatronSource:
     named = megatron_named(
         ctx if ctx.kind == "full" else dataclasses.replace(ctx, kind="full", lora=None),
         reference["full"],
-        vocab_pad(Geometry()),
+        vocab_pad(geom),
     )
     if ctx.kind == "lora":
-        named.update(megatron_named(ctx, {**reference["full"], **reference["lora"]}, vocab_pad(Geometry()), convention))
+        named.update(megatron_named(ctx, {**reference["full"], **reference["lora"]}, vocab_pad(geom), convention))
     return MegatronSource(module_from_named(named), ctx, ParallelGroups())
 
 
@@ -366,3 +405,185 @@ def test_fused_parts_with_different_lora_a_cannot_be_expressed():
     hf = {out.name: torch.randn(out.shape) for out in item.outputs}
     with pytest.raises(ConversionError, match="shares one lora_A"):
         megatron_layout.to_megatron(item, hf, ctx)
+
+
+# -- architectures ----------------------------------------------------------------------------
+
+ARCHS = sorted(GEOMETRIES)
+
+
+def _arch_geom(arch: str, layers: int = 2) -> Geometry:
+    return dataclasses.replace(GEOMETRIES[arch], num_layers=layers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plan_names_and_shapes_are_each_architecture_s_own(arch):
+    """Full: exactly the HF model's state dict (a tied lm_head excepted); LoRA: exactly PEFT's adapter."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    geom = _arch_geom(arch)
+    model = hf_class(geom)(hf_config(geom))
+    hf = {n: tuple(t.shape) for n, t in model.state_dict().items() if not (geom.tie and n == "lm_head.weight")}
+    assert {n: tuple(s) for n, s, _ in hf_specs(_ctx(geom, kind="full", tp=2))} == hf
+    peft_model = get_peft_model(model, LoraConfig(r=5, lora_alpha=7, target_modules=list(geom.targets)))
+    adapter = {n: tuple(t.shape) for n, t in get_peft_model_state_dict(peft_model).items()}
+    lora = LoraSpec(rank=5, alpha=7.0, target_modules=geom.targets)
+    assert {n: tuple(s) for n, s, _ in hf_specs(_ctx(geom, lora=lora, tp=2))} == adapter
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize(("tp", "ep", "etp"), [(2, 1, 2), (2, 2, 1), (4, 2, 2)])
+def test_to_megatron_then_convert_is_identity(arch, kind, tp, ep, etp):
+    geom = _arch_geom(arch)
+    moe = dict(ep_size=ep, expert_tp_size=etp) if geom.num_experts else {}
+    ctx = _ctx(geom, kind=kind, tp=tp, **moe)
+    gen = torch.Generator().manual_seed(1)
+    for item in plan(ctx):
+        hf = {out.name: torch.randn(out.shape, generator=gen) for out in item.outputs}
+        if item.role is Role.LORA_A:  # a fused module's parts share one lora_A
+            hf = dict.fromkeys(hf, next(iter(hf.values())))
+        full = megatron_layout.to_megatron(item, hf, ctx, pad=torch.randn(64, geom.hidden_size, generator=gen))
+        assert tuple(full.shape) == item.shape
+        back = dict(megatron_layout.convert(item, full, ctx))
+        assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf), item.describe()
+        again = megatron_layout.to_megatron(item, back, ctx, pad=full[ctx.vocab_size :])
+        assert torch.equal(again, full), item.describe()  # and the other way round
+
+
+@pytest.mark.parametrize(("etp", "ep"), [(1, 1), (2, 1), (2, 2), (4, 4)])
+def test_expert_layout_matches_per_expert_per_shard_oracle(etp, ep):
+    """Megatron's experts, spelled out: expert e on EP rank e // (E/EP); each expert-TP shard
+    of its fc1 is [gate rows of the shard; up rows of the shard]; HF fuses [gate; up] per expert."""
+    geom = GEOMETRIES["qwen3_moe"]
+    ctx = _ctx(geom, kind="full", tp=etp, ep_size=ep, expert_tp_size=etp)
+    e, f, h = geom.num_experts, geom.moe_ffn_hidden_size, geom.hidden_size
+    gate, up = torch.randn(e, f, h), torch.randn(e, f, h)
+    down = torch.randn(e, h, f)
+    hf_gate_up = torch.cat([gate, up], dim=1)
+    fc1 = next(it for it in plan(ctx) if it.slot is Slot.EXPERT_FC1)
+    fc2 = next(it for it in plan(ctx) if it.slot is Slot.EXPERT_FC2)
+    per = e // ep
+    for ep_rank in range(ep):
+        for t in range(etp):
+            local1 = megatron_layout.local_params(
+                fc1, megatron_layout.experts_from_hf(hf_gate_up, ctx), ctx, t, ep_rank
+            )
+            local2 = megatron_layout.local_params(fc2, down, ctx, t, ep_rank)
+            for i in range(per):
+                g = ep_rank * per + i
+                rows = slice(t * f // etp, (t + 1) * f // etp)
+                assert torch.equal(local1[fc1.expert_key(i)], torch.cat([gate[g, rows], up[g, rows]]))
+                assert torch.equal(local2[fc2.expert_key(i)], down[g][:, rows])
+    # and HF's own forward reads gate_up_proj as [gate; up]
+    assert torch.equal(hf_gate_up[0].chunk(2)[0], gate[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_each_architecture_streams_exactly_through_the_sender(arch, kind):
+    geom = _arch_geom(arch)
+    reference = make_reference(geom, lora_rank=6, lora_alpha=9.0, seed=5)
+    ctx = _ctx(geom, kind=kind)
+    source = _source(ctx, reference, geom=geom)
+    target = RecordingTarget(reference["full"])
+    receiver = Receiver(target)
+    with Sender(LocalLink(receiver), transport="shm", bucket_bytes=1024) as sender:
+        source.push(sender)
+    receiver.close()
+    expected = reference[kind]
+    assert list(target.committed) == [name for name, _, _ in hf_specs(ctx)]
+    assert set(target.committed) == set(expected)
+    assert all(torch.equal(target.committed[n], t) for n, t in expected.items())
+
+
+def _real_config(arch: str, **changes):
+    from megatron_helpers import transformer_config
+
+    config = transformer_config(GEOMETRIES[arch], tp=2, pp=1)
+    for attr, value in changes.items():  # set after __post_init__: these flags are validated by Megatron too
+        object.__setattr__(config, attr, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "match"),
+    [
+        ("llama", {"add_qkv_bias": True}, r"add_qkv_bias=True.*use arch='qwen2'"),
+        ("qwen2", {"qk_layernorm": True}, r"qk_layernorm=True.*use arch='qwen3'"),
+        ("qwen3", {"num_moe_experts": 8}, r"num_moe_experts=8.*use arch='qwen3_moe'"),
+        ("qwen3_moe", {"num_moe_experts": None}, r"num_moe_experts=None"),
+        ("qwen3_moe", {"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
+        ("qwen3_moe", {"moe_router_score_function": "sigmoid"}, "moe_router_score_function"),
+        ("qwen3", {"experimental_attention_variant": "gated_delta_net"}, "Gated-DeltaNet hybrids"),
+        ("qwen3", {"multi_latent_attention": True}, "MLA"),
+    ],
+)
+def test_from_megatron_refuses_what_the_architecture_does_not_convert(arch, changes, match):
+    geom = GEOMETRIES[arch]
+    with pytest.raises(ConversionError, match=match):
+        ConversionContext.from_megatron(_real_config(arch, **changes), 250, 256, "full", None, geom.tie, arch=arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_megatron_reads_each_architecture(arch):
+    geom = GEOMETRIES[arch]
+    ctx = ConversionContext.from_megatron(_real_config(arch), 250, 256, "full", None, geom.tie, arch=arch)
+    assert (ctx.arch, ctx.num_experts, ctx.moe_ffn_hidden_size, ctx.tie_word_embeddings) == (
+        arch,
+        geom.num_experts,
+        geom.moe_ffn_hidden_size,
+        geom.tie,
+    )
+    assert ctx.expert_tp_size == ctx.tp_size == 2
+
+
+@pytest.mark.parametrize(
+    ("arch", "match"),
+    [("qwen3_next", "Qwen3-Next is a Gated-DeltaNet"), ("qwen3_5", "Qwen3.5 is a hybrid"), ("gpt9", "unknown")],
+)
+def test_unsupported_architectures_are_refused_by_name(arch, match):
+    with pytest.raises(ConversionError, match=match):
+        _ctx(kind="full", arch=arch)
+
+
+def test_lora_on_experts_is_refused_by_name():
+    geom = GEOMETRIES["qwen3_moe"]
+    with pytest.raises(ConversionError, match="LoRA on routed experts is refused"):
+        _ctx(geom, lora=LoraSpec(rank=4, alpha=8.0, target_modules=ALL_TARGETS))
+    # an adapter found on an expert's linear is refused before anything moves
+    reference = make_reference(_arch_geom("qwen3_moe"), lora_rank=6, lora_alpha=9.0, seed=5)
+    ctx = _ctx(_arch_geom("qwen3_moe"))
+    named = dict(_source(ctx, reference, geom=_arch_geom("qwen3_moe"))._local.values())
+    named["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.lora_A.weight"] = torch.zeros(6, 64)
+    with pytest.raises(ConversionError, match="LoRA on a routed expert"):
+        MegatronSource(module_from_named(named), ctx, ParallelGroups())
+
+
+@pytest.mark.parametrize(
+    ("model_arch", "ctx_arch", "match"),
+    [
+        ("qwen2", "llama", "use arch='qwen2'"),
+        ("qwen3", "qwen2", "use arch='qwen3'"),
+        ("qwen3_moe", "qwen3", "use arch='qwen3_moe'"),
+    ],
+)
+def test_a_tensor_the_architecture_would_drop_is_refused_by_name(model_arch, ctx_arch, match):
+    """A context of the wrong architecture would silently drop a tensor (a bias, a norm, the
+    experts): the source refuses the model's parameter by name before anything moves."""
+    geom = _arch_geom(model_arch)
+    reference = make_reference(geom, lora_rank=6, lora_alpha=9.0, seed=5)
+    named = dict(_source(_ctx(geom, kind="full"), reference, geom=geom)._local.values())
+    wrong = _ctx(dataclasses.replace(geom, arch=ctx_arch, num_experts=0, moe_ffn_hidden_size=0), kind="full")
+    with pytest.raises(ConversionError, match=match):
+        MegatronSource(module_from_named(named), wrong, ParallelGroups())
+
+
+def test_context_checks_expert_geometry():
+    geom = GEOMETRIES["qwen3_moe"]
+    with pytest.raises(ConversionError, match="ep_size=3 must divide num_experts=4"):
+        _ctx(geom, kind="full", ep_size=3)
+    with pytest.raises(ConversionError, match="expert_tp_size=3"):
+        _ctx(geom, kind="full", expert_tp_size=3)
+    with pytest.raises(ConversionError, match="has no routed experts"):
+        _ctx(GEOMETRIES["qwen3"], kind="full", num_experts=4)
