@@ -29,6 +29,18 @@ Why it is built this way:
   back in one transfer at ``prepare``. On the CPU there is nothing to overlap, so each bucket
   is checked as it completes. A flagged bucket is re-checked tensor by tensor, so the error
   names the tensors and NaN bits in padding do not reject an update.
+- A layout seen before lands through CUDA graphs (``transports.cuda_graphs``): the copy out
+  of the slot, the fingerprint and the NaN/Inf check of a bucket are captured on the second
+  sighting of the same memory and replayed as one launch after that. The key names every
+  address the work touches (slot, destination tensors with their shapes and strides, the
+  result row, the sender's fingerprint cell), so new destination storage, a new slot or a
+  new layout is new work, never a stale replay; the graphs live on the layout's bucket plans
+  and are dropped when a new transport attaches. The result rows are kept per layout for
+  the same reason: the same memory update after update.
+- Where the transport orders the device for us (``cuda_ipc``: the stream waits on the
+  sender's interprocess event, ``ReceiverTransport.ready``), the sender's fingerprint comes
+  in device memory rather than in the Stage; it is copied into the bucket's result row on
+  the stream, the cell zeroed, and compared with the rest at ``prepare``.
 - The ``Fence`` is what lets the sender reuse a slot: with two or more slots a Stage is
   acknowledged as soon as the previous Stage's copies have finished, so the copy of one chunk
   overlaps the arrival of the next (``transports.base`` says what an acknowledgement
@@ -43,12 +55,14 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
 from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteError, TransactionStateError
 from colosync.sync.target import Staging
+from colosync.transports.cuda_graphs import GraphCache, tensors_key
 from colosync.wire import fused
 from colosync.wire.bucket import tensor_views, typed_views
 from colosync.wire.fused import Segment
@@ -73,7 +87,7 @@ class ViewKey(NamedTuple):
 class BucketPlan:
     """What landing one bucket of a layout needs, computed once per layout."""
 
-    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views")
+    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views", "_graphs")
 
     def __init__(self, size: int, indices: list[int], metas: list[TensorMeta]) -> None:
         self.size, self.indices, self.metas = size, indices, metas
@@ -81,6 +95,17 @@ class BucketPlan:
         self.single = len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == size
         self.segments = fused.segments(metas, size)  # None: check finiteness tensor by tensor (fp8)
         self.views: dict[ViewKey, list[torch.Tensor]] = {}
+        self._graphs: GraphCache | None = None
+
+    def graphs(self, device: torch.device) -> GraphCache:
+        """This bucket's landing graphs (a few destinations, slots and policies each)."""
+        cache = self._graphs
+        if cache is None or cache.device != device:
+            cache = self._graphs = GraphCache(device, capacity=8)
+        return cache
+
+    def forget_graphs(self) -> None:
+        self._graphs = None
 
     def typed(self, key: ViewKey, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of this bucket's tensors inside ``buffer``, built once per ``key``."""
@@ -108,6 +133,9 @@ class LayoutPlan:
         ]
         # (kind, lora) pairs the engine has accepted with this layout
         self.validated: set[tuple[str, LoraSpec | None]] = set()
+        # [fingerprint, non-finite, sent fingerprint] per bucket, on the device: reused by every
+        # update of this layout (one is in flight at a time), so graphs see the same rows
+        self.results: torch.Tensor | None = None
 
 
 class Plans:
@@ -137,6 +165,21 @@ class Plans:
         for plan in self._plans.values():
             for bucket in plan.buckets:
                 bucket.forget(source)
+
+    def forget_graphs(self) -> None:
+        for plan in self._plans.values():
+            for bucket in plan.buckets:
+                bucket.forget_graphs()
+
+    def graph_counts(self) -> dict[str, int]:
+        """How often bucket landings ran eagerly, were captured and were replayed (all plans)."""
+        total = {"eager": 0, "capture": 0, "replay": 0}
+        for plan in self._plans.values():
+            for bucket in plan.buckets:
+                if bucket._graphs is not None:
+                    for k, v in bucket._graphs.counts.items():
+                        total[k] += v
+        return total
 
     def clear(self) -> None:
         self._plans.clear()
@@ -205,6 +248,7 @@ class Lander:
         """A new transport is open: views of the old one's slots are void."""
         self.fence.lag = num_slots >= 2
         self.plans.forget_views(SLOT)
+        self.plans.forget_graphs()
 
     def open(self, manifest: UpdateManifest, plan: LayoutPlan, lent: Any, policy: ReceiverPolicy) -> Landing:
         """The landing for one update, given what the engine's ``staging()`` lent (``None``: nothing)."""
@@ -231,6 +275,7 @@ class Lander:
 
 
 Verdict = tuple[int, torch.Tensor, "int | None"]  # (bucket, [fingerprint, non-finite] (lazy), sent fingerprint)
+# (a sent fingerprint of None whose bucket is in ``Landing.device_sent`` is in the bucket's result row)
 
 
 class Landing(abc.ABC):
@@ -260,7 +305,9 @@ class Landing(abc.ABC):
         self.buffers: dict[int, torch.Tensor] = {}  # Receiver-owned bucket buffers (OwnedLanding)
         self.tensors: dict[str, torch.Tensor] = {}  # what ``prepare`` hands the engine
         self.deferred: list[Verdict] = []  # device verdicts to read at ``prepare``
-        self.results: torch.Tensor | None = None  # one zeroed [fingerprint, non-finite] row per bucket
+        self.results: torch.Tensor | None = None  # one zeroed [fingerprint, non-finite, sent] row per bucket
+        self.device_sent: set[int] = set()  # buckets whose sent fingerprint came in device memory
+        self._cell: torch.Tensor | None = None  # the admitted chunk's sent-fingerprint cell, if any
 
     @property
     def update_id(self) -> int:
@@ -291,6 +338,9 @@ class Landing(abc.ABC):
                 f"bucket {msg.bucket}: chunk [{msg.offset}, {msg.offset + msg.nbytes}) does not continue "
                 f"the {done} bytes received of {size}; chunks must arrive in order"
             )
+        transport.ready(msg.slot)  # this stream now waits for the sender's writes (no-op unless cuda_ipc)
+        last = msg.offset + msg.nbytes == size
+        self._cell = transport.sent_fingerprint(msg.bucket) if last and msg.fingerprint is None else None
         if not msg.nbytes:
             return None
         return slot if msg.nbytes == slot.numel() else slot[: msg.nbytes]
@@ -300,9 +350,19 @@ class Landing(abc.ABC):
         b = self.plan.buckets[msg.bucket]
         last = msg.offset + msg.nbytes == b.size
         row = self._row(msg.bucket) if last and self._on_device else None
-        checked, result = self._land(b, msg, src, last, row)
+        cell, self._cell = self._cell, None
+        sent = msg.fingerprint
+        if not (last and self._fingerprints):
+            cell = None
+        elif cell is not None and row is None:  # checked on the host: read the sender's fingerprint here
+            sent = int(cell[0].item())  # (the current stream waits for the sender: ``admit``)
+            cell.zero_()
+            cell = None
+        elif cell is not None:
+            self.device_sent.add(msg.bucket)
+        checked, result = self._land(b, msg, src, last, row, cell)
         if last:
-            self._landed(msg, b, checked, result, row)
+            self._landed(msg, b, checked, result, row, sent)
         self.received[msg.bucket] = msg.offset + msg.nbytes
 
     def missing_buckets(self) -> list[int]:
@@ -326,13 +386,23 @@ class Landing(abc.ABC):
         self.staging = None
         self.deferred.clear()
         self.results = None
+        self.device_sent.clear()
+        self._cell = None
 
     # -- strategies ---------------------------------------------------------------------------
     @abc.abstractmethod
     def _land(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+        self,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Put one chunk where this destination wants it; return (the bucket's bytes, its verdict)."""
+        """Put one chunk where this destination wants it; return (the bucket's bytes, its verdict).
+
+        ``cell``: the sender's fingerprint in device memory, to take into the result row (``_take_sent``)."""
 
     def _into_flat(
         self,
@@ -342,10 +412,34 @@ class Landing(abc.ABC):
         src: torch.Tensor | None,
         last: bool,
         row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
         if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
-            return flat, fused.copy_check(src, flat, self._segments(b), out=row)  # copy + fingerprint + check
+            segs = self._segments(b)
+            if row is None or not flat.is_cuda:
+                return flat, fused.copy_check(src, flat, segs, out=row)  # copy + fingerprint + check
+            bucket = msg.bucket
+
+            def work() -> None:
+                self._take_sent(bucket, cell)
+                fused.copy_check(src, flat, segs, out=row)
+
+            key = (
+                "flat",
+                bucket,
+                src.data_ptr(),
+                src.numel(),
+                flat.data_ptr(),
+                flat.numel(),
+                flat.stride(),
+                row.data_ptr(),
+                cell.data_ptr() if cell is not None else 0,
+                self._finite,
+            )
+            self._run(b, key, work)
+            return flat, row
+        self._take_sent(msg.bucket, cell)
         if src is not None:
             flat[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=flat.is_cuda)
         if last and self._check and b.size:
@@ -353,17 +447,51 @@ class Landing(abc.ABC):
         return flat, None
 
     def _from_slot(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor, row: torch.Tensor | None
+        self, b: BucketPlan, msg: Stage, src: torch.Tensor, row: torch.Tensor | None, cell: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole bucket is in a slot on the device: check it there, then one fused copy out."""
-        result = fused.copy_check(src, None, self._segments(b), out=row) if self._check else None
-        self._scatter(b, b.typed(ViewKey(SLOT, msg.slot), src))
-        return src, result
+        views = b.typed(ViewKey(SLOT, msg.slot), src)
+        segs = self._segments(b)
+        if row is None or not src.is_cuda:
+            result = fused.copy_check(src, None, segs, out=row) if self._check else None
+            self._scatter(b, views)
+            return src, result
+        lent = self.lent
+        dsts = [lent[i] for i in b.indices]
+        bucket = msg.bucket
+
+        def work() -> None:
+            self._take_sent(bucket, cell)
+            fused.copy_check(src, None, segs, out=row)
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, views, non_blocking=True)
+
+        def key() -> tuple[Any, ...]:  # the engine lends these tensors: shapes, strides and dtypes are keyed
+            return (
+                "slot",
+                bucket,
+                src.data_ptr(),
+                src.numel(),
+                row.data_ptr(),
+                cell.data_ptr() if cell is not None else 0,
+                self._finite,
+                tensors_key(dsts, shapes=True),
+            )
+
+        self._run(b, key, work)
+        return src, row
 
     def _via_bounce(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+        self,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Assemble the bucket in the bounce buffer; once whole, check it and copy it out in one go."""
+        self._take_sent(msg.bucket, cell)
         bounce = self._lander.bounce.get(b.size)
         if src is not None:
             bounce[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=bounce.is_cuda)
@@ -385,12 +513,39 @@ class Landing(abc.ABC):
         return b.segments if self._finite else None
 
     def _row(self, bucket: int) -> torch.Tensor:
-        if self.results is None:
-            self.results = torch.zeros(len(self.plan.buckets), 2, dtype=torch.int64, device=self._lander.device)
-        return self.results[bucket]
+        """Bucket ``bucket``'s zeroed ``[fingerprint, non-finite]`` pair (the layout's rows, zeroed once per update)."""
+        results = self.results
+        if results is None:
+            device = self._lander.device
+            results = self.plan.results
+            if results is None or results.device != device:
+                results = self.plan.results = torch.zeros(len(self.plan.buckets), 3, dtype=torch.int64, device=device)
+            else:
+                results.zero_()
+            self.results = results
+        return results[bucket, :2]
+
+    def _take_sent(self, bucket: int, cell: torch.Tensor | None) -> None:
+        """Copy the sender's fingerprint from its device cell into the result row, and zero the cell."""
+        if cell is None:
+            return
+        results = self.results
+        if results is None:
+            raise TransactionStateError("a device fingerprint arrived for a landing with no result rows")
+        results[bucket, 2:].copy_(cell[:1])
+        cell.zero_()  # a sender that skips writing it next time cannot pass with a stale value
+
+    def _run(self, b: BucketPlan, key: Any, work: Callable[[], None]) -> None:  # key: a tuple, or what builds it
+        b.graphs(self._lander.device).run(key, work)
 
     def _landed(
-        self, msg: Stage, b: BucketPlan, checked: torch.Tensor, result: torch.Tensor | None, row: torch.Tensor | None
+        self,
+        msg: Stage,
+        b: BucketPlan,
+        checked: torch.Tensor,
+        result: torch.Tensor | None,
+        row: torch.Tensor | None,
+        sent: int | None,
     ) -> None:
         """A bucket is complete in ``checked``: publish it and check (or queue the check of) it."""
         self._publish(b, checked)
@@ -400,7 +555,7 @@ class Landing(abc.ABC):
             return
         if result is None:  # an empty bucket: its fingerprint is 0
             result = fused.copy_check(checked[:0], None, None, out=row)
-        item = (msg.bucket, result, msg.fingerprint)
+        item = (msg.bucket, result, sent)
         if result.is_cuda:
             self.deferred.append(item)  # read at prepare, all buckets at once
         else:
@@ -418,12 +573,15 @@ class Landing(abc.ABC):
         if not items:
             return
         results = self.results
+        values: list[tuple[int, int, int | None]]
         if results is not None and all(r.data_ptr() == results[b].data_ptr() for b, r, _ in items):
             rows = results.tolist()  # one transfer for the whole update
-            values = [rows[b] for b, _, _ in items]
-        else:
-            values = torch.stack([result for _, result, _ in items]).tolist()
-        for (bucket, _, sent), (got, bad) in zip(items, values, strict=True):
+            values = [(rows[b][0], rows[b][1], rows[b][2]) for b, _, _ in items]
+        else:  # (a device-sent fingerprint is only ever in the rows: without them it fails closed below)
+            values = [(got, bad, None) for got, bad in torch.stack([result for _, result, _ in items]).tolist()]
+        for (bucket, _, sent), (got, bad, on_device) in zip(items, values, strict=True):
+            if sent is None and bucket in self.device_sent:
+                sent = on_device
             if self._fingerprints and (sent is None or got != sent):
                 raise fingerprint_error(self.update_id, bucket, got, sent)
             if bad and self._finite:
@@ -437,12 +595,18 @@ class OwnedLanding(Landing):
     kind = "owned"
 
     def _land(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+        self,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         buffer = self.buffers.get(msg.bucket)
         if buffer is None:
             buffer = self.buffers[msg.bucket] = torch.empty(b.size, dtype=torch.uint8, device=self._lander.device)
-        return self._into_flat(buffer, b, msg, src, last, row)
+        return self._into_flat(buffer, b, msg, src, last, row, cell)
 
     def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:
         self.tensors.update(tensor_views(checked, b.metas))
@@ -459,9 +623,15 @@ class BucketLanding(Landing):
     flats: Any = None  # one uint8 buffer per bucket, lent by the engine (set right after construction)
 
     def _land(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+        self,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._into_flat(self.flats[msg.bucket], b, msg, src, last, row)
+        return self._into_flat(self.flats[msg.bucket], b, msg, src, last, row, cell)
 
     def release(self) -> None:
         super().release()
@@ -474,15 +644,21 @@ class TensorLanding(Landing):
     kind = "tensors"
 
     def _land(
-        self, b: BucketPlan, msg: Stage, src: torch.Tensor | None, last: bool, row: torch.Tensor | None
+        self,
+        b: BucketPlan,
+        msg: Stage,
+        src: torch.Tensor | None,
+        last: bool,
+        row: torch.Tensor | None,
+        cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if b.single:  # the tensor is the whole bucket: land flat in it
             tensor = self.lent[b.indices[0]]
             if tensor.is_contiguous():
-                return self._into_flat(tensor.reshape(-1).view(torch.uint8), b, msg, src, last, row)
+                return self._into_flat(tensor.reshape(-1).view(torch.uint8), b, msg, src, last, row, cell)
         if last and msg.offset == 0 and src is not None and src.device == self._lander.device:
-            return self._from_slot(b, msg, src, row)
-        return self._via_bounce(b, msg, src, last, row)
+            return self._from_slot(b, msg, src, row, cell)
+        return self._via_bounce(b, msg, src, last, row, cell)
 
 
 def fingerprint_error(update_id: int, bucket: int, got: int, sent: int | None) -> FingerprintMismatchError:

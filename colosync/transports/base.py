@@ -10,6 +10,13 @@ Flow control: with two or more slots the receiver may acknowledge a ``Stage`` be
 out of the slot has finished, so that copy overlaps the next one; the acknowledgement of
 ``Stage`` k then promises that the slots of every earlier ``Stage`` are free, and any other
 reply promises that all are. With one slot every acknowledgement frees its own slot.
+
+Ordering on the device: a transport whose slots the receiver reads on the same GPU can let
+the receiver's stream wait for the sender's writes (``SenderTransport.written`` then returns
+True and ``ReceiverTransport.ready`` makes the wait), so the sender sends a ``Stage`` without
+waiting on its host. Its fingerprint then travels in device memory too
+(``fingerprint_cell`` / ``sent_fingerprint``) instead of inside the ``Stage``. The
+acknowledgement rule above still decides when a slot may be written again.
 """
 
 from __future__ import annotations
@@ -69,6 +76,21 @@ class SenderTransport(ABC):
     def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
 
+    def written(self, index: int) -> bool:
+        """Writes into slot ``index`` are queued on the current stream; True if the receiver's device waits for them.
+
+        False (the default): the sender must wait for them on its host before sending the Stage.
+        """
+        return False
+
+    def fingerprint_cell(self, bucket: int) -> torch.Tensor | None:
+        """Where to put bucket ``bucket``'s ``[fingerprint, flag]`` (int64 pair, on the device) for the receiver.
+
+        ``None`` (the default): the fingerprint travels in the Stage. Otherwise the sender writes it
+        there before ``written`` and sends the Stage with no fingerprint.
+        """
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Free the slots; idempotent."""
@@ -91,6 +113,16 @@ class ReceiverTransport(ABC):
     def num_slots(self) -> int:
         """How many slots the sender cycles through (2+ lets the receiver acknowledge early)."""
         return 1
+
+    def ready(self, index: int) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Order this process's current stream after the sender's writes into slot ``index``."""
+
+    def sent_fingerprint(self, bucket: int) -> torch.Tensor | None:
+        """The int64 pair in device memory the sender wrote bucket ``bucket``'s fingerprint to (first element).
+
+        ``None`` (the default): fingerprints travel in the Stage. The receiver zeroes it once read.
+        """
+        return None
 
     @abstractmethod
     def close(self) -> None:

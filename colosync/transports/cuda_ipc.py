@@ -9,6 +9,16 @@ as bytes inside a typed msgspec struct; nothing is pickled. The engine opens it 
 (``cudaIpcOpenMemHandle``) and copies out of it with fused device copies; a sender and an
 engine in one process share the buffer directly.
 
+Ordering without a host sync: with the buffer the sender exports one interprocess CUDA event
+per slot (``cudaEventInterprocess | cudaEventDisableTiming``, ``cudaIpcGetEventHandle``, once
+per run). It records a slot's event after queueing its writes and sends the Stage at once;
+the engine's stream waits on the event (``cudaStreamWaitEvent`` on the opened handle) before
+it reads the slot. The bucket's fingerprint, computed on the sender's device, goes into a
+ring of int64 cells at the end of the buffer rather than into the Stage, and the engine reads
+it there on its stream and zeroes it. A slot is still rewritten only once the engine has
+acknowledged the copy out of it (``transports.base``); a cell is rewritten only
+``FINGERPRINT_CELLS`` buckets later, long after that.
+
 The CUDA runtime is reached through ``ctypes`` on the ``libcudart`` PyTorch has loaded (or
 any on the library path), so neither cupy nor cuda-python is needed. Memory is freed (or the
 mapping closed) when the last tensor viewing it is gone, never under a live view.
@@ -23,6 +33,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -37,8 +48,16 @@ from colosync.transports.base import ReceiverTransport, SenderTransport
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "COLOSYNC_NO_CUDA_IPC"
+EVENTS_ENV = "COLOSYNC_CUDA_IPC_EVENTS"  # "0": no interprocess events, the sender syncs its host per Stage
+# Engine side: "host" (default) polls the sender's event with a deadline, so a sender that dies with its
+# writes queued costs one refused Stage; "stream" (cudaStreamWaitEvent) saves a few microseconds but a
+# never-completing event would stall the engine's stream, and every generation behind it, for good.
+WAIT_ENV = "COLOSYNC_CUDA_IPC_WAIT"
+WAIT_TIMEOUT_S = 30.0  # "host" wait: how long a sender's writes may take before the Stage is refused
 _HANDLE_BYTES = 64
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+FINGERPRINT_CELLS = 256  # int64 pairs after the slots: bucket b's fingerprint goes to cell b % 256
+_CELL_BYTES = 16
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True):
@@ -47,12 +66,32 @@ class CudaIpcHandle(msgspec.Struct, frozen=True):
     pid: int  # the exporting process; a receiver in that process uses the buffer directly
     slot_bytes: int
     slots: int
+    events: tuple[bytes, ...] = ()  # cudaIpcEventHandle_t per slot; () from a sender that syncs its host
+    fingerprint_cells: int = 0  # int64 pairs after the slots that carry fingerprints (0: in the Stage)
 
     def __post_init__(self) -> None:
         if len(self.handle) != _HANDLE_BYTES:
             raise TransportError(f"a CUDA IPC handle has {_HANDLE_BYTES} bytes, got {len(self.handle)}")
         if self.slot_bytes <= 0 or self.slots <= 0:
             raise TransportError(f"cuda_ipc needs slot_bytes > 0 and slots > 0, got {self.slot_bytes}, {self.slots}")
+        if self.events and (len(self.events) != self.slots or any(len(e) != _HANDLE_BYTES for e in self.events)):
+            raise TransportError(
+                f"a cuda_ipc handle names one {_HANDLE_BYTES}-byte event handle per slot ({self.slots}), "
+                f"got {[len(e) for e in self.events]}"
+            )
+        if self.fingerprint_cells < 0:
+            raise TransportError(f"fingerprint_cells must be >= 0, got {self.fingerprint_cells}")
+
+    @property
+    def cells_offset(self) -> int:
+        """Where the fingerprint cells start in the buffer: after the slots, 16-byte aligned."""
+        return -(-self.slot_bytes * self.slots // _CELL_BYTES) * _CELL_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        if not self.fingerprint_cells:
+            return self.slot_bytes * self.slots
+        return self.cells_offset + self.fingerprint_cells * _CELL_BYTES
 
 
 class _IpcMemHandle(ctypes.Structure):
@@ -208,6 +247,7 @@ class DeviceBuffer:
     def __init__(self, ptr: int, nbytes: int, index: int, release: Callable[[int], None] | None) -> None:
         self.ptr, self.nbytes, self.index = ptr, nbytes, index
         self._release = release
+        self.events: list[torch.cuda.Event] = []  # the exporter's slot events (a receiver in-process shares them)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -293,10 +333,27 @@ class CudaIpcSender(SenderTransport):
         if slot_bytes <= 0 or slots <= 0:
             raise TransportError(f"cuda_ipc needs slot_bytes > 0 and slots > 0, got {slot_bytes}, {slots}")
         index = _device_index(device)
+        self._index = index
         self._slot_bytes, self._slots = slot_bytes, slots
-        memory = allocate(slot_bytes * slots, index)
+        cells = -(-slot_bytes * slots // _CELL_BYTES) * _CELL_BYTES  # CudaIpcHandle.cells_offset
+        memory = allocate(cells + FINGERPRINT_CELLS * _CELL_BYTES, index)
         self._memory: DeviceBuffer | None = memory
-        self._handle = CudaIpcHandle(runtime().export(memory.ptr), device_uuid(index), os.getpid(), slot_bytes, slots)
+        events: list[torch.cuda.Event] = []
+        if os.environ.get(EVENTS_ENV, "1") != "0":
+            with torch.cuda.device(index):
+                events = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+        event_handles = tuple(bytes(e.ipc_handle()) for e in events)
+        memory.events = events
+        self._events = events
+        self._handle = CudaIpcHandle(
+            runtime().export(memory.ptr),
+            device_uuid(index),
+            os.getpid(),
+            slot_bytes,
+            slots,
+            event_handles,
+            FINGERPRINT_CELLS if events else 0,
+        )
         for key in [k for k, ref in _exported.items() if ref() is None]:
             del _exported[key]
         _exported[self._handle.handle] = weakref.ref(memory)
@@ -304,7 +361,10 @@ class CudaIpcSender(SenderTransport):
         self._buffer: torch.Tensor | None = buffer
         buffer.zero_()  # padding between tensors stays zero from here on
         self._views = [buffer[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
-        log.debug("cuda_ipc: exported %d x %d bytes on cuda:%d", slots, slot_bytes, index)
+        self._cells: torch.Tensor | None = (
+            buffer[cells:].view(torch.int64).view(FINGERPRINT_CELLS, 2) if events else None
+        )
+        log.debug("cuda_ipc: exported %d x %d bytes and %d events on cuda:%d", slots, slot_bytes, slots, index)
 
     @property
     def nbytes(self) -> int:
@@ -316,11 +376,23 @@ class CudaIpcSender(SenderTransport):
     def slot(self, index: int) -> torch.Tensor:
         return self._views[index]
 
+    def written(self, index: int) -> bool:
+        if not self._events:
+            return False
+        self._events[index].record(torch.cuda.current_stream(self._index))
+        return True
+
+    def fingerprint_cell(self, bucket: int) -> torch.Tensor | None:
+        cells = self._cells
+        return cells[bucket % FINGERPRINT_CELLS] if cells is not None else None
+
     def close(self) -> None:
         # Drop our views only: the memory is freed once no tensor (an arena view, say) uses it.
         self._views = []
         self._buffer = None
         self._memory = None
+        self._cells = None
+        self._events = []
 
 
 class CudaIpcReceiver(ReceiverTransport):
@@ -338,21 +410,52 @@ class CudaIpcReceiver(ReceiverTransport):
         if not torch.cuda.is_available():
             raise TransportError("the engine process has no CUDA, so it cannot open a CUDA IPC handle; use shm")
         index = _index_of(handle.device_uuid)
-        nbytes = handle.slot_bytes * handle.slots
+        nbytes = handle.nbytes
         memory = None
         if handle.pid == os.getpid():  # same process: CUDA cannot open its own handle, nor needs to
             ref = _exported.get(handle.handle)
             memory = ref() if ref is not None else None
             if memory is None:
                 raise TransportError("the cuda_ipc buffer this handle names was already freed in this process")
+            events = list(memory.events) if handle.events else []
         else:
             memory = open_handle(handle.handle, index, nbytes)
+            events = [_open_event(e, index) for e in handle.events]
         self._handle = handle
+        self._index = index
+        self._events = events
+        self._host_wait = os.environ.get(WAIT_ENV, "host") != "stream"
         buffer = memory.tensor()
         self._views = [buffer[i * handle.slot_bytes : (i + 1) * handle.slot_bytes] for i in range(handle.slots)]
+        start = handle.cells_offset
+        self._cells: torch.Tensor | None = (
+            buffer[start:].view(torch.int64).view(-1, 2) if handle.fingerprint_cells else None
+        )
 
     def slot(self, index: int) -> torch.Tensor:
         return self._views[index]
+
+    def ready(self, index: int) -> None:
+        if not self._events:
+            return
+        event = self._events[index]
+        if not self._host_wait:
+            event.wait(torch.cuda.current_stream(self._index))
+            return
+        start = time.monotonic()
+        while not event.query():
+            waited = time.monotonic() - start
+            if waited > 0.002:  # a pack takes microseconds; past that, stop spinning a core
+                time.sleep(0.0005)
+            if waited > WAIT_TIMEOUT_S:
+                raise TransportError(
+                    f"the sender's writes into cuda_ipc slot {index} did not finish within {WAIT_TIMEOUT_S:.0f} s; "
+                    "the sender died or hung mid-update (its GPU work never completed)"
+                )
+
+    def sent_fingerprint(self, bucket: int) -> torch.Tensor | None:
+        cells = self._cells
+        return cells[bucket % cells.shape[0]] if cells is not None else None
 
     @property
     def num_slots(self) -> int:
@@ -360,3 +463,17 @@ class CudaIpcReceiver(ReceiverTransport):
 
     def close(self) -> None:
         self._views = []
+        self._events = []
+        self._cells = None
+
+
+def _open_event(handle: bytes, index: int) -> torch.cuda.Event:
+    """The sender's interprocess event, opened here (``cudaIpcOpenEventHandle``)."""
+    try:
+        event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
+    except Exception as exc:  # a refused handle is the transport's failure, so auto can fall back
+        raise TransportError(
+            f"cudaIpcOpenEventHandle failed: {exc}. CUDA IPC needs the trainer and the engine on one host, "
+            "in one PID/IPC namespace; transport='auto' falls back to shm"
+        ) from None
+    return event

@@ -104,6 +104,29 @@ def test_shm_on_gpu_is_pinned_chunked_and_bounded(sink):
     assert sink.call(Digest()).receiver_bytes <= bucket  # engine side: at most one bucket
 
 
+def test_shm_on_gpu_packs_chunk_by_chunk_across_chunk_boundaries(sink, monkeypatch):
+    """Buckets larger than a chunk: each chunk is packed and copied out before the next; bytes stay exact."""
+    from colosync.sync import pipeline
+
+    monkeypatch.setattr(pipeline, "OVERLAP", True)  # COLOSYNC_SHM_OVERLAP=1
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
+    named = [  # odd sizes: padding between tensors, tensors straddling the 16 MiB chunk boundaries
+        (f"t{i}", torch.randn(1000 + 37 * i, 97 + i % 5, device="cuda", generator=g).to(dtypes[i % 4]))
+        for i in range(120)
+    ]
+    bucket = 40 << 20
+    with Sender(sink.connect(), transport="shm", bucket_bytes=bucket) as sender:
+        for step in range(3):  # the second and third reuse the per-chunk views and padding indices
+            if step:
+                with torch.no_grad():
+                    for _, t in named:
+                        t.add_(1)
+            report = sender.push(named)
+            assert report.buckets >= 2 and sender.transport.slot_bytes == CHUNK_BYTES < bucket
+            assert_served(sink, named)
+
+
 def test_arena_updates_need_no_packing(sink):
     named = named_tensors(3)
     with Sender(sink.connect(), transport="cuda_ipc") as sender:

@@ -226,6 +226,9 @@ def _bench_transport(
             "receiver_bytes": digest.receiver_bytes,
             "transport_log": sender.transport_log,
         }
+        streamer = getattr(sender, "_streamer", None)  # how the pack ran: eager, captured or replayed graphs
+        if streamer is not None and hasattr(streamer, "graph_counts"):
+            config["pack_graphs"] = streamer.graph_counts()
         if hasattr(transport, "pinned"):
             config["pinned"] = transport.pinned
         total = reports[-1].bytes
