@@ -7,6 +7,12 @@ connection, deadlines on authentication and on every message, engine work on one
 and a connection that ends for any reason aborts only that client's in-flight update.
 Several clients can connect (a trainer that syncs, a driver that generates, a replacement
 sender after a crash); one of them owns the update channel at a time.
+
+The engine process also serves its memory handoff: ``EngineProcess.memory()`` is an
+``EngineMemory`` for a ``HandoffExecutor`` in the trainer's (or a controller's) process, each
+operation one typed request on its own connection (``colosync.handoff.runtime.remote``).
+``ParticipantServer`` is the same for a trainer: it serves a trainer's ``MemoryService`` from
+a background thread of the trainer's process, for a controller in another one.
 """
 
 from __future__ import annotations
@@ -18,17 +24,30 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import torch
 
 from colosync.engines import engine_class
 from colosync.engines.channel import ChannelServer, Deadlines, SocketLink
 from colosync.engines.config import EngineAddress, EngineConfig
 from colosync.engines.host import Session, build_host, codecs
-from colosync.errors import ColosyncError, EngineError
-from colosync.wire.protocol import Ack, Failed
+from colosync.errors import ColosyncError, EngineError, UnsupportedOperation
+from colosync.handoff.backends.arena import HostArena
+from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.runtime.participants import MemoryParticipant
+from colosync.handoff.runtime.remote import (
+    MEMORY_REPLIES,
+    MEMORY_REQUESTS,
+    MemoryService,
+    RemoteEngineMemory,
+    RemoteTrainerMemory,
+)
+from colosync.wire.protocol import Ack, ArenaHandle, Failed, Hello
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +61,19 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     server: ChannelServer | None = None
 
+    services: list[MemoryService] = []
+
     def shutdown(request: Shutdown, session: Session) -> Ack:
         if server is not None:
             server.stop()
         return host.transactions.status()
 
+    def memory(request: msgspec.Struct, session: Session) -> msgspec.Struct:
+        return services[0].handle(request)
+
     try:
-        host = build_host(config, handlers={Shutdown: shutdown})
+        host = build_host(config, handlers={Shutdown: shutdown, **dict.fromkeys(MEMORY_REQUESTS, memory)})
+        services.append(MemoryService(factory=engine_memory_factory(host.engine)))
     except BaseException as exc:
         ready.send_bytes(msgspec.msgpack.encode(Failed.from_exception(exc)))
         raise
@@ -71,8 +96,37 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
     try:
         server.serve(ready=announce)
     finally:
+        services[0].close()
         host.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def engine_memory_factory(engine: object) -> Callable[[HostPool], MemoryParticipant]:
+    """How a served engine's memory becomes an ``EngineMemory`` once its host pool is known:
+    the engine's own ``memory_participant(pool)`` when it has one, vLLM's sleep mode for an
+    engine holding an ``llm`` (vLLM keeps its own host buffers), else ``TorchEngineMemory``
+    over its ``model`` (the hf engine)."""
+
+    def build(pool: HostPool) -> MemoryParticipant:
+        own = getattr(engine, "memory_participant", None)
+        if callable(own):
+            participant: MemoryParticipant = own(pool)
+            return participant
+        llm = getattr(engine, "llm", None)
+        if llm is not None:
+            from colosync.engines.vllm.memory import VllmEngineMemory
+
+            return VllmEngineMemory(llm)
+        if isinstance(getattr(engine, "model", None), torch.nn.Module):
+            from colosync.handoff.backends.torch_engine import TorchEngineMemory
+
+            return TorchEngineMemory.from_engine(engine, pool=pool)
+        raise UnsupportedOperation(
+            f"engine {type(engine).__name__} has no memory to hand over (no model, no vLLM LLM); give it a "
+            "memory_participant(pool) method returning an EngineMemory, or run it with engine_offload=False"
+        )
+
+    return build
 
 
 class EngineProcess:
@@ -118,6 +172,22 @@ class EngineProcess:
     def call(self, request: msgspec.Struct) -> Any:
         return self.link.call(request)
 
+    def memory(
+        self, *, arena: HostArena | ArenaHandle | None = None, chunk_bytes: int = 1 << 30, pin: str = "auto"
+    ) -> RemoteEngineMemory:
+        """This engine's memory as an ``EngineMemory`` for a ``HandoffExecutor`` here, on a
+        connection of its own. ``arena``: the node's shared host arena (the engine maps it and
+        keeps its mirror there); without one the engine makes a private pool of ``chunk_bytes``."""
+        link = SocketLink(self.address, *codecs(MEMORY_REQUESTS, MEMORY_REPLIES), name="handoff")
+        return RemoteEngineMemory(
+            link,
+            arena=arena,
+            chunk_bytes=chunk_bytes,
+            pin=pin,
+            alive=self.is_alive,
+            where=f"{self.config.engine} engine process",
+        )
+
     @property
     def pid(self) -> int | None:
         return self._process.pid
@@ -148,6 +218,73 @@ def connect(address: EngineAddress, engine: str, name: str = "") -> SocketLink:
     return SocketLink(address, *codecs((*cls.requests, Shutdown), cls.replies), name=name)
 
 
+class ParticipantServer:
+    """Serve a ``MemoryService`` (a trainer's) on an authenticated Unix socket from a background
+    thread of this process, so a controller elsewhere can drive it with ``connect_trainer``.
+
+    >>> server = ParticipantServer(MemoryService(factory=lambda pool: TorchTrainerMemory(loader=..., pool=pool)))
+    >>> address = server.address    # hand it to the controller; server.close() when done
+    """
+
+    def __init__(self, service: MemoryService, deadlines: Deadlines | None = None) -> None:
+        self.service = service
+        requests, replies = codecs((*MEMORY_REQUESTS, Hello), MEMORY_REPLIES)
+        self._codecs = (requests, replies)
+        folder = tempfile.mkdtemp(prefix="colosync-participant-")
+        os.chmod(folder, 0o700)
+        self._folder = folder
+        self.address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
+        self._server = ChannelServer(self.address, lambda pid: pid, self._handle, lambda *_: None, deadlines)
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._server.serve, kwargs={"ready": started.set}, name="colosync-participant", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(30):
+            raise EngineError("the participant server did not start listening within 30 s")
+
+    def _handle(self, _session: object, data: bytes) -> bytes:
+        requests, replies = self._codecs
+        try:
+            request = requests.decode(bytes(data))
+            reply = Ack(committed_update_id=0) if isinstance(request, Hello) else self.service.handle(request)
+        except Exception as exc:  # a reply, never a raise: the loop must keep serving
+            if not isinstance(exc, ColosyncError):
+                log.exception("participant server: request failed")
+            reply = Failed.from_exception(exc)
+        try:
+            return replies.encode(reply)
+        except Exception as exc:
+            return replies.encode(Failed.from_exception(exc))
+
+    def close(self) -> None:
+        self._server.stop()
+        self._thread.join(10)
+        self.service.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __enter__(self) -> ParticipantServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_trainer(
+    address: EngineAddress,
+    *,
+    arena: HostArena | ArenaHandle | None = None,
+    chunk_bytes: int = 1 << 30,
+    pin: str = "auto",
+    alive: Callable[[], bool] | None = None,
+) -> RemoteTrainerMemory:
+    """The trainer served by a ``ParticipantServer`` at ``address``, as a ``TrainerMemory``."""
+    link = SocketLink(address, *codecs(MEMORY_REQUESTS, MEMORY_REPLIES), name="handoff")
+    return RemoteTrainerMemory(
+        link, arena=arena, chunk_bytes=chunk_bytes, pin=pin, alive=alive, where="trainer process"
+    )
+
+
 def _try_decode(data: bytes, cls: type) -> Any:
     try:
         return msgspec.msgpack.decode(data, type=cls)
@@ -155,4 +292,13 @@ def _try_decode(data: bytes, cls: type) -> Any:
         return None
 
 
-__all__ = ["EngineAddress", "EngineConfig", "EngineProcess", "Shutdown", "connect"]
+__all__ = [
+    "EngineAddress",
+    "EngineConfig",
+    "EngineProcess",
+    "ParticipantServer",
+    "Shutdown",
+    "connect",
+    "connect_trainer",
+    "engine_memory_factory",
+]

@@ -21,8 +21,11 @@ import torch
 from colosync.engines import engine_class
 from colosync.engines.config import EngineConfig
 from colosync.engines.host import build_host, codecs
+from colosync.engines.process import engine_memory_factory
+from colosync.handoff.backends.arena import HostArena
+from colosync.handoff.runtime.remote import MEMORY_REPLIES, MEMORY_REQUESTS, MemoryService, RemoteEngineMemory
 from colosync.sync.link import unwrap
-from colosync.wire.protocol import Codec
+from colosync.wire.protocol import ArenaHandle, Codec
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,15 @@ class RayPending:
 
 
 class RayLink:
-    """A ``Link`` to an ``EngineActor`` (anything exposing ``handle(bytes) -> bytes``) serving ``engine``."""
+    """A ``Link`` to an ``EngineActor`` (anything exposing ``handle(bytes) -> bytes``) serving ``engine``;
+    ``requests``/``replies`` add message types beyond the engine's (``remote_engine_memory`` uses it)."""
 
-    def __init__(self, actor: Any, engine: str) -> None:
+    def __init__(
+        self, actor: Any, engine: str, *, requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()
+    ) -> None:
         cls = engine_class(engine)
         self._actor = actor
-        self._codec, self._reply_codec = codecs(cls.requests, cls.replies)
+        self._codec, self._reply_codec = codecs((*cls.requests, *requests), (*cls.replies, *replies))
 
     def submit(self, request: msgspec.Struct) -> RayPending:
         return RayPending(self._actor.handle.remote(self._codec.encode(request)), self._reply_codec)
@@ -79,7 +85,13 @@ class EngineActor:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = torch.device(config.device)
-        self.host = build_host(config)
+        services: list[MemoryService] = []
+
+        def memory(request: msgspec.Struct, session: Any) -> msgspec.Struct:
+            return services[0].handle(request)
+
+        self.host = build_host(config, handlers=dict.fromkeys(MEMORY_REQUESTS, memory))
+        services.append(MemoryService(factory=engine_memory_factory(self.host.engine)))
 
     def handle(self, data: bytes) -> bytes:
         return self.host.handle_bytes(data)
@@ -91,4 +103,19 @@ class EngineActor:
         return os.getpid()
 
 
-__all__ = ["EngineActor", "RayLink", "RayPending", "memory_sample"]
+def remote_engine_memory(
+    actor: Any,
+    engine: str,
+    *,
+    arena: HostArena | ArenaHandle | None = None,
+    chunk_bytes: int = 1 << 30,
+    pin: str = "auto",
+) -> RemoteEngineMemory:
+    """The memory of the engine in ``actor`` (an ``EngineActor``) as an ``EngineMemory`` for a
+    ``HandoffExecutor``: the same typed requests as the engine process's, through ``handle``;
+    ``arena``/``chunk_bytes``/``pin`` as for ``EngineProcess.memory``."""
+    link = RayLink(actor, engine, requests=MEMORY_REQUESTS, replies=MEMORY_REPLIES)
+    return RemoteEngineMemory(link, arena=arena, chunk_bytes=chunk_bytes, pin=pin, where=f"Ray actor {engine}")
+
+
+__all__ = ["EngineActor", "RayLink", "RayPending", "memory_sample", "remote_engine_memory"]

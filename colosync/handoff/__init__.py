@@ -12,7 +12,12 @@ invariants checked while it runs. Three layers, each importing only the ones bef
 * ``runtime`` -- the participant interfaces (``participants``), the ``executor`` that runs a
   plan and checks it, and host/device ``sampling``;
 * ``backends`` -- participants on real memory: ``torch_trainer``, ``torch_engine``, the
-  optional ``tms_trainer`` (torch_memory_saver), and their ``host_pool`` and ``stash``.
+  optional ``tms_trainer`` (torch_memory_saver), and their ``host_pool`` and ``stash``; the
+  node-wide shared ``arena`` that trainer and engine processes map together.
+
+Participants in other processes (an engine process, a Ray actor, a trainer run by a
+controller) are ``runtime.remote``'s ``RemoteEngineMemory`` / ``RemoteTrainerMemory``, served
+by a ``MemoryService`` beside the real participant.
 
 vLLM's sleep mode is a participant too, but it depends on vLLM, so it lives with the engines
 (``colosync.engines.vllm.memory``). Light imports only here: torch-heavy modules load when
@@ -25,6 +30,7 @@ from colosync.errors import (
     HandoffError,
     HandoffInvariantError,
     HostPoolExhausted,
+    ParticipantError,
     PlanError,
     SizesError,
     SleepModeUnavailable,
@@ -62,6 +68,7 @@ __all__ = [
     "HostPoolExhausted",
     "Op",
     "OpReport",
+    "ParticipantError",
     "Phase",
     "PhaseName",
     "Place",

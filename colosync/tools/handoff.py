@@ -45,6 +45,14 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_sync(text: str) -> tuple[str, int]:
+    """``lora:169MB`` / ``full:16GB`` -> (kind, bytes)."""
+    kind, sep, size = text.partition(":")
+    if not sep or kind not in ("lora", "full"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sync; write lora:SIZE or full:SIZE, e.g. lora:169MB")
+    return kind, parse_size(size)
+
+
 _SIZE_FLAGS = {
     "engine_weights": "engine_weight_bytes",
     "kv": "engine_kv_bytes",
@@ -78,6 +86,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gpu-memory", type=parse_size, help="memory of one GPU")
     p.add_argument("--device-baseline", type=parse_size, help="device memory outside both participants per GPU")
     p.add_argument("--gpus-per-node", type=int)
+    p.add_argument(
+        "--sync",
+        type=parse_sync,
+        metavar="KIND:SIZE",
+        help="plan the weight sync inside train->rollout: lora:169MB or full:16GB (bytes per GPU)",
+    )
+    p.add_argument(
+        "--sync-transport", choices=["shm", "cuda_ipc"], help="where the sync's slots live (default shm: host)"
+    )
+    p.add_argument("--sync-bucket", type=parse_size, help="the sender's bucket (default 64MiB)")
+    p.add_argument("--sync-slots", type=int, help="transport slots (default 2)")
     p.add_argument(
         "--peak-device",
         "--mode",  # 0.1's name, kept as an alias
@@ -124,6 +143,13 @@ def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | No
     overrides = {field: getattr(args, flag) for flag, field in _SIZE_FLAGS.items() if getattr(args, flag) is not None}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
+    if args.sync is not None:
+        overrides["sync_kind"], overrides["sync_bytes"] = args.sync
+    for flag, field in (("sync_transport", "sync_transport"), ("sync_bucket", "sync_bucket_bytes")):
+        if getattr(args, flag) is not None:
+            overrides[field] = getattr(args, flag)
+    if args.sync_slots is not None:
+        overrides["sync_slots"] = args.sync_slots
     if args.workload:
         doc = workloads.load(args.workload, kind="handoff")
         sizes = HandoffSizes.from_workload(doc)
@@ -191,6 +217,8 @@ def print_comparison(result: Any, *, why: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from colosync.handoff.model.ops import Region
+
     console = Console()
     if console.width < 132:
         console = Console(width=170 if why else 132)
@@ -204,6 +232,13 @@ def print_comparison(result: Any, *, why: bool = False) -> None:
         f"{_gb(s.trainer_resident_bytes)} GB, backup {_gb(s.trainer_backup_bytes)} GB; host baseline "
         f"{_gb(s.host_baseline_bytes)} GB, host budget {budget}, GPU {_gb(s.gpu_bytes)} GB"
     )
+    if s.sync_bytes:
+        sync = s.sync_region_bytes()
+        console.print(
+            f"sync ({s.sync_kind}, {_gb(s.sync_bytes)} GB per GPU over {s.sync_transport}): transport slots "
+            f"{_gb(sync[Region.SYNC_TRANSPORT])} GB host, staging {_gb(sync[Region.SYNC_STAGING])} GB + prepared "
+            f"{_gb(sync[Region.SYNC_PREPARED])} GB on the engine's device, during train→rollout's sync.weights"
+        )
     for mode, sim in result.simulations.items():
         table = Table(title=f"peak_device={mode}  (GB; host per node, GPU per device)", title_justify="left")
         columns: tuple[tuple[str, JustifyMethod], ...] = (

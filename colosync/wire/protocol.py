@@ -267,3 +267,93 @@ class Codec:
         if type(message) is Begin:
             self._received.remember(bytes(data), message)
         return message
+
+
+# -- memory handoff across a process boundary -------------------------------------------------
+# A handoff executor drives a trainer's or an engine's memory operations in another process
+# (an engine process, a Ray actor, a trainer run by a controller). These messages carry the
+# operation and its report; region and operation names are the handoff's own strings
+# (``engine.offload_weights``, ``trainer.backup``), validated where they are turned back into
+# the handoff's enums, so the wire stays below the handoff layer.
+
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**62)]
+Pid = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class ArenaHandle(msgspec.Struct, frozen=True):
+    """A node-wide host arena (POSIX shared memory) another process maps: name, size, chunking."""
+
+    name: Text
+    nbytes: Count
+    chunk_bytes: Count
+    header_bytes: Count
+
+
+class MemorySetup(msgspec.Struct, tag="memory_setup", frozen=True):
+    """Give a remote participant its host memory: map ``arena`` (shared with the other side),
+    or, without one, a private pool of ``chunk_bytes`` chunks. Before the first operation, and
+    again (while the participant holds no host copy) to rebuild it over other host memory."""
+
+    arena: ArenaHandle | None = None
+    chunk_bytes: Count = 1 << 30
+    pin: Text = "auto"
+
+
+class MemoryOp(msgspec.Struct, tag="memory_op", frozen=True):
+    """Run one participant operation (``op`` as ``actor.method``) for step ``step`` of ``phase``."""
+
+    op: Text
+    backup: bool = True
+    phase: Text = ""
+    step: Annotated[int, msgspec.Meta(ge=0, lt=2**16)] = 0
+
+
+class MemoryQuery(msgspec.Struct, tag="memory_query", frozen=True):
+    """Ask a remote participant what it holds now (no operation)."""
+
+
+class MemorySample(msgspec.Struct, frozen=True):
+    """One process tree's memory at one moment, taken in that process.
+
+    ``host_pids``: anon + shared memory per pid of the tree (shared pages as proportional
+    set size when the tree maps a shared arena, so a page mapped by two processes counts
+    once over both); ``device_used``: bytes in use on its GPU by every process (None
+    without CUDA); ``host_bytes``/``device_bytes``/``device_type``: the participant's own
+    accounting at that moment (its ``Footprint``)."""
+
+    host_pids: dict[Pid, Count]
+    host_bytes: Count
+    device_bytes: Count
+    device_type: Text
+    device_used: Count | None = None
+
+
+class MemoryState(msgspec.Struct, tag="memory_state", frozen=True):
+    """What a remote participant holds now: its regions, their sizes, its footprint and process."""
+
+    participant: Text
+    actor: Text
+    pid: Pid
+    regions: Annotated[list[Text], msgspec.Meta(max_length=64)]
+    region_bytes: dict[Text, Count]
+    sample: MemorySample
+
+
+class MemoryOpDone(msgspec.Struct, tag="memory_op_done", frozen=True):
+    """The report of one remote operation (the handoff's ``OpReport`` fields), the participant's
+    state after it, and its process's memory at each peak the operation marked."""
+
+    participant: Text
+    op: Text
+    noop: bool
+    seconds: float
+    host_allocated: Count
+    host_freed: Count
+    device_allocated: Count
+    device_freed: Count
+    bytes_to_host: Count
+    bytes_to_device: Count
+    device_retained: Count
+    note: Annotated[str, msgspec.Meta(max_length=1 << 16)]
+    state: MemoryState
+    peaks: Annotated[list[MemorySample], msgspec.Meta(max_length=1024)] = []

@@ -109,3 +109,30 @@ def test_cli_plan_takes_the_flag_it_recommends(capsys):
     for flag in ("--peak-device", "--mode"):
         assert main(["plan", "--workload", "k3-gb300", flag, "gpu", "--json"]) == 0
         assert list(json.loads(capsys.readouterr().out)["modes"]) == ["gpu"]
+
+
+def test_cli_plan_with_the_sync_json(capsys):
+    assert main(["plan", "--workload", "k3-gb300", "--sync", "full:16GB", "--peak-device", "gpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sizes"]["sync_kind"] == "full" and out["sizes"]["sync_bytes"] == 16 * GB
+    rows = out["modes"]["gpu"]["timeline"]
+    sync = next(r for r in rows if r["step"] == "sync.weights")
+    assert sync["phase"] == "train_to_rollout"
+    assert sync["device_peak"] - sync["device_before"] == 32 * GB  # staging + prepared copy
+    assert sync["host_peak"] - sync["host_before"] == 4 * 2 * (64 << 20)  # shm slots, 4 GPUs per node
+    assert (
+        main(["plan", "--workload", "k3-gb300", "--sync", "lora:169MB", "--sync-transport", "cuda_ipc", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    sync = next(r for r in out["modes"]["cpu"]["timeline"] if r["step"] == "sync.weights")
+    assert sync["device_peak"] - sync["device_before"] == 2 * 169 * 10**6 + 2 * (64 << 20)
+    assert sync["host_peak"] == sync["host_before"]
+
+
+def test_cli_plan_with_the_sync_table_and_errors(capsys):
+    assert main(["plan", "--workload", "k3-gb300", "--sync", "lora:169MB"]) == 0
+    text = capsys.readouterr().out
+    assert "sync.weights" in text and "sync (lora, 0.2 GB per GPU over shm)" in text
+    with pytest.raises(SystemExit):
+        main(["plan", "--workload", "k3-gb300", "--sync", "delta:1GB"])
+    assert "not a sync; write lora:SIZE or full:SIZE" in capsys.readouterr().err

@@ -60,6 +60,8 @@ class TorchEngineMemory(EngineMemory):
         self.release_graphs = release_graphs
         self.after_kv_onload = after_kv_onload
         self.after_weights_onload = after_weights_onload
+        if self.device.type == "cpu":
+            _own_file_backed(self.weight_tensors())
         self._weights = TensorStash(f"{name}.weights", self.device, self.pool)
         self._kv = TensorStash(f"{name}.kv", self.device, self.pool)
         self._weight_bytes = storage_bytes(self.weight_tensors())
@@ -179,3 +181,31 @@ class TorchEngineMemory(EngineMemory):
         """Give freed blocks back to the device: the next user may be another process (the trainer)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _own_file_backed(tensors: Iterable[torch.Tensor]) -> None:
+    """Copy CPU tensors that are views of a memory-mapped file (``from_pretrained`` maps
+    safetensors checkpoints) into ordinary memory. An offload frees and the executor counts
+    anonymous memory; a file mapping would be neither freed by an offload nor counted."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((lo, hi))
+    except OSError:
+        return
+    if not spans:
+        return
+    copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    with torch.no_grad():
+        for t in tensors:
+            ptr = t.data_ptr()
+            if not t.numel() or not any(lo <= ptr < hi for lo, hi in spans):
+                continue
+            key = (ptr, tuple(t.shape), tuple(t.stride()))
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            t.data = copies[key]

@@ -40,6 +40,13 @@ class Region(StrEnum):
     """The host copy of the trainer's state made by ``sleep()``."""
     TRAINER_LOAD = "trainer.load_staging"
     """Host memory a checkpoint load stages through, only during ``load()``."""
+    SYNC_TRANSPORT = "sync.transport"
+    """The weight sync's transport slots on the host (shared memory), only during the sync."""
+    SYNC_STAGING = "sync.staging"
+    """Device memory the engine's receiver lands the update in (plus device transport slots)."""
+    SYNC_PREPARED = "sync.prepared"
+    """Device copies the engine prepares before it commits (a LoRA adapter beside the served
+    one; a full update's prepared weights)."""
 
     @property
     def place(self) -> Place:
@@ -50,7 +57,9 @@ class Region(StrEnum):
         return self.value.split(".", 1)[0]
 
 
-_HOST_REGIONS = frozenset({Region.ENGINE_MIRROR, Region.TRAINER_BACKUP, Region.TRAINER_LOAD})
+_HOST_REGIONS = frozenset({Region.ENGINE_MIRROR, Region.TRAINER_BACKUP, Region.TRAINER_LOAD, Region.SYNC_TRANSPORT})
+SYNC_REGIONS = frozenset({Region.SYNC_TRANSPORT, Region.SYNC_STAGING, Region.SYNC_PREPARED})
+"""What a weight sync holds while it runs, and frees by its end (commit frees the staging)."""
 HOST_COPIES = frozenset({Region.ENGINE_MIRROR, Region.TRAINER_BACKUP})
 """The two large host copies that ``peak_device='gpu'`` keeps from coexisting."""
 
@@ -67,6 +76,8 @@ class Op(StrEnum):
     ENGINE_OFFLOAD_WEIGHTS = "engine.offload_weights"
     ENGINE_ONLOAD_WEIGHTS = "engine.onload_weights"
     ENGINE_ONLOAD_KV = "engine.onload_kv"
+    SYNC_WEIGHTS = "sync.weights"
+    """Push the trainer's weights into the engine (a colosync ``Sender`` transaction)."""
 
     @property
     def actor(self) -> str:
@@ -118,6 +129,11 @@ def effect(op: Op, held: frozenset[Region], backup: bool = True) -> tuple[frozen
         free = {R.TRAINER_GRADS} & held
     elif op is Op.TRAINER_CLEAR_MEMORY:
         free = {R.TRAINER_CACHE} & held
+    elif op is Op.SYNC_WEIGHTS:
+        # The sender reads the trainer's weights on the device, the receiver installs into the
+        # engine's: both must be resident. Its memory is transient: allocated and freed within.
+        if {R.TRAINER_STATE, R.ENGINE_WEIGHTS} <= held:
+            alloc = free = set(SYNC_REGIONS)
     else:
         raise PlanError(
             f"unknown operation {op!r}; pass one of the Op members {[o.value for o in Op]} (Op(name) converts a name)"

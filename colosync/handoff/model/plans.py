@@ -53,6 +53,9 @@ class HandoffConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_weight_backup: bool = True
     """The engine keeps a host mirror of its weights when it releases them (needed when the
     trainer does not push every weight back, e.g. LoRA training of a frozen base)."""
+    sync: bool = False
+    """``train_to_rollout`` includes the weight sync as a step (``sync.weights``), placed where
+    both the trainer's and the engine's weights are on the device, with its memory planned."""
 
     def __post_init__(self) -> None:
         if self.peak_device not in PEAK_DEVICES:
@@ -192,6 +195,16 @@ _WHY: dict[tuple[str, PhaseName, Op], str] = {
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.TRAINER_SLEEP): "trainer state to the host (mirror and backup coexist)",
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_WEIGHTS): "engine weights back from the mirror",
     ("cpu", PhaseName.TRAIN_TO_ROLLOUT, Op.ENGINE_ONLOAD_KV): "KV cache back for rollout",
+    (
+        "cpu",
+        PhaseName.TRAIN_TO_ROLLOUT,
+        Op.SYNC_WEIGHTS,
+    ): "push the trained weights while both sides' weights are on the device",
+    (
+        "gpu",
+        PhaseName.TRAIN_TO_ROLLOUT,
+        Op.SYNC_WEIGHTS,
+    ): "push the trained weights while both sides' weights are on the device",
     ("gpu", PhaseName.INIT, Op.ENGINE_OFFLOAD_KV): "drop the KV cache; weights stay resident",
     (
         "gpu",
@@ -258,10 +271,13 @@ def build_plan(config: HandoffConfig | None = None, **options: Any) -> Plan:
     engine_on = [(Op.ENGINE_ONLOAD_WEIGHTS, b), (Op.ENGINE_ONLOAD_KV, b)] if config.engine_offload else []
     sleep = [(Op.TRAINER_SLEEP, b)] if config.trainer_offload else []
     wake = [(Op.TRAINER_WAKE_UP, b)] if config.trainer_offload else []
+    sync = [(Op.SYNC_WEIGHTS, b)] if config.sync else []
     if config.peak_device == "cpu":
         init = engine_off + [(Op.TRAINER_LOAD, b)] + sleep + engine_on
         r2t = engine_off + wake
-        t2r = sleep + engine_on
+        # With the sync: the engine's weights come back before the trainer sleeps (the sync
+        # needs both on the device), the way verl and miles order it; its KV cache after.
+        t2r = (engine_on[:1] + sync + sleep + engine_on[1:]) if config.sync else sleep + engine_on
     else:  # gpu: both offloads are on (HandoffConfig checked it)
         init = [(Op.ENGINE_OFFLOAD_KV, b), (Op.TRAINER_LOAD, b), (Op.TRAINER_SLEEP, b), (Op.ENGINE_ONLOAD_KV, b)]
         r2t = [(Op.ENGINE_OFFLOAD_KV, b), (Op.TRAINER_WAKE_UP, b), (Op.ENGINE_OFFLOAD_WEIGHTS, b)]
@@ -269,6 +285,7 @@ def build_plan(config: HandoffConfig | None = None, **options: Any) -> Plan:
             (Op.TRAINER_CLEAR_MEMORY, b),
             (Op.TRAINER_OFFLOAD_GRAD_BUFFER, b),
             (Op.ENGINE_ONLOAD_WEIGHTS, b),
+            *sync,
             (Op.TRAINER_SLEEP, b),
             (Op.ENGINE_ONLOAD_KV, b),
         ]

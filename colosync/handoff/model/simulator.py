@@ -22,7 +22,7 @@ import msgspec
 from colosync import workloads
 from colosync.errors import PlanError, SizesError
 from colosync.handoff.model.ops import HOST_COPIES, Place, Region, effect
-from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, Plan, build_plan, start_state
+from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, PhaseName, Plan, build_plan, start_state
 
 R = Region
 
@@ -41,10 +41,14 @@ _WORKLOAD_KEYS: dict[str, str] = {
     "gpu_bytes": "gpu_bytes",
     "gpus_per_node": "gpus_per_node",
     "device_baseline_bytes": "device_baseline_bytes",
+    "sync_bytes_per_gpu": "sync_bytes",
     "name": "name",
     "description": "description",
 }
 _IGNORED_KEYS = {"expect"}
+
+SYNC_KINDS = ("", "lora", "full")
+SYNC_TRANSPORTS = ("shm", "cuda_ipc")
 
 _REQUIRED = ("engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes")
 """The sizes every workload must give (per GPU, in bytes)."""
@@ -74,6 +78,15 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
     """Host bytes a checkpoint load stages through, per GPU (default: one trainer backup)."""
     device_baseline_bytes: int = 0
     """Device memory outside both participants (CUDA contexts, NCCL buffers), per GPU."""
+    sync_kind: str = ""
+    """The weight sync in ``train_to_rollout``: ``lora``, ``full``, or ``""`` (none planned)."""
+    sync_bytes: int = 0
+    """Bytes one sync moves, per GPU (e.g. 169 MB of LoRA, 16 GB of full weights)."""
+    sync_transport: str = "shm"
+    """``shm`` (slots in host shared memory) or ``cuda_ipc`` (slots on the device)."""
+    sync_bucket_bytes: int = 64 << 20
+    """The sender's bucket (colosync's default 64 MiB); a smaller update is one bucket."""
+    sync_slots: int = 2
     name: str = ""
     description: str = ""
 
@@ -83,6 +96,16 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
                 raise SizesError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_node < 1:
             raise SizesError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.sync_kind not in SYNC_KINDS:
+            raise SizesError(
+                f"sync_kind must be one of {list(SYNC_KINDS)}, got {self.sync_kind!r} (e.g. --sync lora:169MB)"
+            )
+        if (self.sync_bytes > 0) != bool(self.sync_kind):
+            raise SizesError("give sync_kind and sync_bytes together (e.g. --sync full:16GB), or neither")
+        if self.sync_transport not in SYNC_TRANSPORTS:
+            raise SizesError(f"sync_transport must be one of {list(SYNC_TRANSPORTS)}, got {self.sync_transport!r}")
+        if self.sync_bytes < 0 or self.sync_bucket_bytes <= 0 or self.sync_slots < 1:
+            raise SizesError("sync_bytes must be >= 0, sync_bucket_bytes > 0 and sync_slots >= 1")
         if self.trainer_backup_bytes + self.trainer_grad_buffer_bytes > self.trainer_resident_bytes:
             raise SizesError(
                 f"trainer_backup_bytes ({self.trainer_backup_bytes}) + trainer_grad_buffer_bytes "
@@ -109,10 +132,26 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
             raise SizesError(f"workload lacks {missing}; give them (per GPU, in bytes)")
         return cls(**kwargs)
 
+    def sync_region_bytes(self) -> dict[Region, int]:
+        """What one sync holds while it runs, per GPU: the transport's slots (``slots`` buckets,
+        a bucket no larger than the update), the receiver's staging of the whole update on the
+        engine's device, and the engine's prepared copy (a LoRA adapter beside the served one,
+        or a full update's prepared weights) -- so a full update needs twice its bytes free."""
+        if not self.sync_bytes:
+            return {R.SYNC_TRANSPORT: 0, R.SYNC_STAGING: 0, R.SYNC_PREPARED: 0}
+        slots = min(self.sync_bucket_bytes, self.sync_bytes) * self.sync_slots
+        host_slots = slots if self.sync_transport == "shm" else 0
+        return {
+            R.SYNC_TRANSPORT: host_slots,
+            R.SYNC_STAGING: self.sync_bytes + (slots - host_slots),
+            R.SYNC_PREPARED: self.sync_bytes,
+        }
+
     def region_bytes(self) -> dict[Region, int]:
         """Bytes of each region on one GPU (device regions) or for one GPU's share (host)."""
         load = self.trainer_backup_bytes if self.trainer_load_host_bytes is None else self.trainer_load_host_bytes
         return {
+            **self.sync_region_bytes(),
             R.ENGINE_WEIGHTS: self.engine_weight_bytes,
             R.ENGINE_KV: self.engine_kv_bytes,
             R.ENGINE_MIRROR: self.engine_weight_bytes,
@@ -287,6 +326,8 @@ def compare(
 ) -> Comparison:
     """Simulate each mode in ``modes`` and recommend one that fits."""
     base = config or HandoffConfig()
+    if sizes.sync_bytes and not base.sync:
+        base = msgspec.structs.replace(base, sync=True)  # sizes that give a sync plan it
     sims: dict[str, Simulation] = {}
     rejected: dict[str, str] = {}
     for mode in modes:
@@ -335,3 +376,30 @@ def _shortfall(mode: str, sim: Simulation, sizes: HandoffSizes) -> str:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
+
+
+def arena_bytes(
+    plan: Plan, sizes: Mapping[Region, int], *, chunk_bytes: int, slack_bytes: int = 0, cycles: int = 1
+) -> int:
+    """Bytes of a shared host arena that holds every host copy ``plan`` holds at once.
+
+    Walks the plan (init, then ``cycles`` rounds) with the operations' semantics; at each
+    step's peak the held host copies (engine mirror, trainer backup) each take whole chunks
+    of ``chunk_bytes`` (after ``slack_bytes`` for the alignment of their tensors). In
+    ``gpu`` mode that is the larger copy; in ``cpu`` mode both.
+    """
+    if chunk_bytes <= 0:
+        raise SizesError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+
+    def chunks(region: Region) -> int:
+        n = sizes.get(region, 0)
+        return -(-(n + slack_bytes) // chunk_bytes) if n else 0
+
+    held = start_state(plan.config, PhaseName.INIT)
+    need = sum(chunks(r) for r in held if r in HOST_COPIES)
+    for phase in plan.schedule(cycles):
+        for step in phase.steps:
+            alloc, free = effect(step.op, held, step.backup)
+            need = max(need, sum(chunks(r) for r in held | alloc if r in HOST_COPIES))
+            held = (held | alloc) - free
+    return need * chunk_bytes

@@ -21,7 +21,7 @@ anon+shmem minus the baseline (what was there before, not counting participants'
 copies) — and, when a participant's "device" is the CPU (tests, CPU-only runs), minus the
 bytes it holds on that device, which are host memory too.
 
-One module on purpose (~540 lines): running a step, sampling around it and checking each
+One module on purpose (~720 lines): running a step, sampling around it and checking each
 invariant against the same samples are one loop; split, the invariants would each need the
 loop's state passed around.
 """
@@ -68,6 +68,8 @@ class Measurement:
     """Host copy bytes the participants account for."""
     held: frozenset[Region]
     """Regions the participants say they hold."""
+    by_pid: dict[int, int] = field(default_factory=dict)
+    """anon+shmem of each sampled process (what ``host_abs`` sums)."""
 
 
 @dataclass
@@ -84,7 +86,8 @@ class CheckContext:
     """Simulated host copies at this step's peak."""
     expected_host_copies_max: int
     """Simulated host-copy peak of the run so far (host pools keep their chunks, so measured
-    host memory follows the running peak, not each step's figure)."""
+    host memory follows the running peak, not each step's figure), plus the host memory
+    outside the copies that this step holds (a sync's transport slots, a load's staging)."""
     expected_device: int
     sizes: dict[Region, int]
     device_baseline: int
@@ -325,13 +328,26 @@ class ExecutionResult:
         }
 
 
+def _remote_device(p: MemoryParticipant) -> int:
+    sample = getattr(getattr(p, "state", None), "sample", None)
+    used = getattr(sample, "device_used", None)
+    return int(used) if used is not None else 0
+
+
 class HandoffExecutor:
-    """Runs plans against a trainer and an engine (either may be None if it does not offload).
+    """Runs plans against a trainer and an engine (either may be None if it does not offload),
+    and the weight sync (``sync``: a ``WeightSync``) where the plan has a ``sync.weights`` step.
 
     ``baseline_host_bytes``: host memory before any participant or host pool existed (else
     the executor takes it at the first phase, less what participants account for).
     ``pools``: host pools reserved before the run (their chunks count as host copies from the
-    start). ``watch_interval_s``: poll host and device on a thread this often (CUDA only).
+    start; a shared ``HostArena``'s pool is one). ``watch_interval_s``: poll host and device
+    on a thread this often (CUDA only).
+
+    Participants may live in other processes (``runtime.remote``): the executor then samples
+    every participant's process tree, counting pages they share (the arena) once, and takes
+    the moments inside a remote operation from the samples its process sends back.
+    ``host_scope="node"`` measures the node's anon+shmem instead (see ``sampling``).
     """
 
     def __init__(
@@ -347,21 +363,27 @@ class HandoffExecutor:
         tolerance: float = 0.05,
         host_slack_bytes: int = 32 * MiB,
         pools: Sequence[HostPool] = (),
+        host_scope: str = "processes",
+        sync: MemoryParticipant | None = None,
     ) -> None:
         self.trainer = trainer
         self.pools = list(pools)
         self.engine = engine
-        self.participants: list[MemoryParticipant] = [p for p in (trainer, engine) if p is not None]
+        self.sync = sync
+        self.participants: list[MemoryParticipant] = [p for p in (trainer, engine, sync) if p is not None]
         self._invariants = list(invariants) if invariants is not None else None
         self.extra_invariants = list(extra_invariants)
         self.fail_fast = fail_fast
         self.tolerance = tolerance
         self.host_slack_bytes = host_slack_bytes
-        self.host = HostSampler()
+        self._remote = [p for p in self.participants if p.remote]
+        shared = bool(self._remote) or any(getattr(pool, "arena", None) is not None for pool in self.pools)
+        self.host = HostSampler(roots=[p.pid for p in self._remote], shared=shared, scope=host_scope)
         self.device = DeviceSampler()
-        self._device_measured = self.device.enabled and any(
-            p.footprint().device_type == "cuda" for p in self.participants
-        )
+        on_cuda = any(p.footprint().device_type == "cuda" for p in self.participants)
+        self._device_measured = self.device.enabled and on_cuda
+        self._device_remote = not self.device.enabled and on_cuda
+        """No CUDA here (a controller): device figures come from the remote participants' samples."""
         self.watch_interval_s = watch_interval_s
         self._given_baseline = baseline_host_bytes
         self.result: ExecutionResult | None = None
@@ -391,6 +413,10 @@ class HandoffExecutor:
         return self._measure(self.result)
 
     def _measure(self, result: ExecutionResult) -> Measurement:
+        for p in self._remote:
+            p.refresh()  # one round trip: what it holds and its footprint now
+        if self._remote:
+            self.host.refresh()  # a remote engine's workers may have started since
         fps = self._footprints()
         cpu_device = sum(fp.device_bytes for fp in fps if fp.device_type == "cpu")
         if any(fp.device_type == "cpu" for fp in fps):
@@ -400,6 +426,8 @@ class HandoffExecutor:
         if self._device_measured:
             d = self.device.sample()
             device = d.used if d is not None else 0
+        elif self._device_remote:
+            device = max((_remote_device(p) for p in self._remote), default=0)
         else:
             device = sum(fp.device_bytes for fp in fps)
         return Measurement(
@@ -408,29 +436,68 @@ class HandoffExecutor:
             device=device,
             logical_host=logical_host,
             held=self._held_now(),
+            by_pid=h.by_pid,
         )
+
+    def _remote_peaks(
+        self, result: ExecutionResult, participant: MemoryParticipant, before: Measurement, after: Measurement
+    ) -> list[Measurement]:
+        """The moments a remote operation marked, as measurements of every process: the remote
+        process tree as it sampled itself then, every other process as it is now (idle while
+        the remote one worked)."""
+        out = []
+        others = [p for p in self.participants if p is not participant]
+        other_fps = [p.footprint() for p in others]
+        for peak in getattr(participant, "peaks", []):
+            tree = set(peak.host_pids)
+            host = sum(v for pid, v in after.by_pid.items() if pid not in tree) + sum(peak.host_pids.values())
+            fps = [*other_fps, Footprint(peak.host_bytes, peak.device_bytes, peak.device_type)]
+            cpu_device = sum(fp.device_bytes for fp in fps if fp.device_type == "cpu")
+            if self._device_measured or self._device_remote:
+                device = peak.device_used if peak.device_used is not None else after.device
+            else:
+                device = sum(fp.device_bytes for fp in fps)
+            out.append(
+                Measurement(
+                    host_copies=host - result.baseline_host - cpu_device,
+                    host_abs=host,
+                    device=device,
+                    logical_host=sum(fp.host_bytes for fp in fps),
+                    held=before.held,
+                )
+            )
+        return out
 
     def _start(self, plan: Plan) -> ExecutionResult:
         """The result of the run in progress; a new one (and a new baseline) for a new mode."""
         if self.result is not None and self.result.peak_device == plan.peak_device:
             return self.result
         gc.collect()  # garbage collected later would otherwise make host copies look smaller
+        for p in self._remote:
+            p.refresh()
+        self.host.refresh()
         fps = self._footprints()
         cpu_device = sum(fp.device_bytes for fp in fps if fp.device_type == "cpu")
         if any(fp.device_type == "cpu" for fp in fps):
             trim_host_allocator()
         h = self.host.sample()
         baseline = self._given_baseline
+        reserved = sum(p.capacity_bytes for p in self.pools)
         if baseline is None:
-            baseline = h.value - sum(fp.host_bytes for fp in fps) - cpu_device
+            # Reserved pools (the arena) hold their pages from the start: they are host copies'
+            # memory, not baseline. Participants' copies live inside them.
+            baseline = h.value - max(sum(fp.host_bytes for fp in fps), reserved) - cpu_device
         dev_base = 0
-        if self._device_measured:
-            d = self.device.sample()
-            dev_base = (d.used if d is not None else 0) - sum(fp.device_bytes for fp in fps if fp.device_type == "cuda")
+        if self._device_measured or self._device_remote:
+            if self._device_measured:
+                d = self.device.sample()
+                used = d.used if d is not None else 0
+            else:
+                used = max((_remote_device(p) for p in self._remote), default=0)
+            dev_base = used - sum(fp.device_bytes for fp in fps if fp.device_type == "cuda")
         self.result = ExecutionResult(peak_device=plan.peak_device, baseline_host=baseline, baseline_device=dev_base)
         # Host pools reserved before the run hold their chunks from the start: the simulated
         # running peak starts at what is already reserved.
-        reserved = sum(p.capacity_bytes for p in self.pools)
         self._sim_host_max = max(sum(fp.host_bytes for fp in fps), reserved)
         log.info("handoff executor: host baseline %.3f GB, device baseline %.3f GB", baseline / 1e9, dev_base / 1e9)
         return self.result
@@ -475,7 +542,7 @@ class HandoffExecutor:
         return result
 
     def _participant(self, op: Op) -> MemoryParticipant | None:
-        return self.trainer if op.actor == "trainer" else self.engine
+        return {"trainer": self.trainer, "engine": self.engine, "sync": self.sync}.get(op.actor)
 
     def _run_step(
         self,
@@ -494,7 +561,11 @@ class HandoffExecutor:
         exp_peak = expected | alloc
         exp_host = sum(sizes.get(r, 0) for r in exp_peak if r.place is Place.HOST)
         exp_dev = sum(sizes.get(r, 0) for r in exp_peak if r.place is Place.DEVICE)
-        self._sim_host_max = max(self._sim_host_max, exp_host)
+        # Pools keep the chunks of the largest copies so far; host memory outside the copies
+        # (a sync's transport slots, a load's staging) comes on top of them while it is held.
+        exp_copies = sum(sizes.get(r, 0) for r in exp_peak if r in HOST_COPIES)
+        self._sim_host_max = max(self._sim_host_max, exp_copies)
+        exp_host_max = self._sim_host_max + exp_host - exp_copies
 
         def context(
             moment: str, m: Measurement, report: OpReport | None = None, held: frozenset[Region] = exp_peak
@@ -508,7 +579,7 @@ class HandoffExecutor:
                 measurement=m,
                 expected_held=held,
                 expected_host_copies=exp_host,
-                expected_host_copies_max=self._sim_host_max,
+                expected_host_copies_max=exp_host_max,
                 expected_device=exp_dev,
                 sizes=self._sizes(),
                 device_baseline=result.baseline_device,
@@ -553,6 +624,7 @@ class HandoffExecutor:
         if participant is None:
             report = OpReport(participant=op.actor, op=op.method, noop=True, note=f"no {op.actor} participant")
         else:
+            participant.step_context = (phase.name.value, index)
             participant.add_listener(on_mark)
             if self._device_measured:
                 torch.cuda.reset_peak_memory_stats(self.device.device)
@@ -569,6 +641,10 @@ class HandoffExecutor:
                 participant.remove_listener(on_mark)
         seconds = time.perf_counter() - started
         after = self._measure(result)
+        if participant is not None and participant.remote:
+            for m in self._remote_peaks(result, participant, before, after):
+                marks.append(m)
+                check(context("peak", m))
         host_peak = max([before.host_copies, after.host_copies] + [m.host_copies for m in marks])
         host_abs_peak = max([before.host_abs, after.host_abs] + [m.host_abs for m in marks])
         dev_peak = max([before.device, after.device] + [m.device for m in marks])

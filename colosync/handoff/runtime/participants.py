@@ -15,6 +15,7 @@ matter inside an operation, e.g. after a copy to the host and before the device 
 from __future__ import annotations
 
 import abc
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,9 +78,24 @@ class MemoryParticipant(abc.ABC):
 
     actor: str = ""
 
+    remote = False
+    """True for a participant whose memory lives in another process (``runtime.remote``)."""
+
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.actor
         self._listeners: list[Listener] = []
+        self.step_context: tuple[str, int] = ("", 0)
+        """The plan's phase and step index of the operation the executor is running."""
+
+    @property
+    def pid(self) -> int:
+        """The process whose memory this participant holds (this one, unless remote)."""
+        return os.getpid()
+
+    def refresh(self) -> None:
+        """Re-read state held elsewhere before it is looked at (one round trip for a remote
+        participant); a local participant has nothing to do."""
+        return None
 
     @abc.abstractmethod
     def regions(self) -> frozenset[Region]:
@@ -179,3 +195,44 @@ class EngineMemory(MemoryParticipant):
     @abc.abstractmethod
     def onload_kv(self) -> OpReport:
         """Re-allocate the KV cache (its contents are forgotten)."""
+
+
+class WeightSync(MemoryParticipant):
+    """The weight sync as the plan's ``sync.weights`` step: ``push(mark)`` pushes the trainer's
+    weights into the engine (e.g. ``lambda mark: sender.push_peft(model)``) and may call
+    ``mark()`` at its peak (staged, before commit) so the executor samples memory there.
+
+    ``sizes`` are the sync's planned regions (``HandoffSizes.sync_region_bytes()``): the
+    executor holds what it measures during the step against them. The sync holds nothing
+    between steps; its memory lives, while it runs, in the trainer's and engine's processes.
+    """
+
+    actor = "sync"
+
+    def __init__(
+        self,
+        push: Callable[[Callable[[], None]], object],
+        sizes: dict[Region, int] | None = None,
+        *,
+        device_type: str = "cpu",
+        name: str = "sync",
+    ) -> None:
+        super().__init__(name)
+        self.push = push
+        self.sizes = dict(sizes or {})
+        self.device_type = device_type
+        self.last_result: object = None
+
+    def regions(self) -> frozenset[Region]:
+        return frozenset()
+
+    def region_bytes(self) -> dict[Region, int]:
+        return dict(self.sizes)
+
+    def footprint(self) -> Footprint:
+        return Footprint(0, 0, self.device_type)
+
+    def weights(self) -> OpReport:
+        started = time.perf_counter()
+        self.last_result = self.push(self._peak)
+        return self._report("weights", started, note=f"pushed: {self.last_result!r}"[:200])

@@ -6,6 +6,15 @@ and its children from ``/proc/<pid>/status`` (cheap enough to poll every few mil
 with total RSS and the system-wide used/shared figures alongside. ``psutil`` finds the
 children and the system figures; without it the same numbers come from ``/proc``.
 
+Across processes (a trainer and an engine process that both map one shared host arena) a
+shared page shows in the ``RssShmem`` of every process that maps it, so summing per process
+would count the arena twice. With ``shared=True`` the sampler reads each process's
+proportional set size instead (``Pss_Anon`` + ``Pss_Shmem`` from ``/proc/<pid>/smaps_rollup``):
+a page mapped by n processes counts 1/n in each, so the sum over the processes counts it
+once. That walk is slower than ``status``, so it is used only where memory is shared.
+``scope="node"`` reads the node instead (``AnonPages`` + ``Shmem`` of ``/proc/meminfo``):
+what a node-wide budget sees, but also every other job's memory on the node.
+
 Device: ``cudaMemGetInfo`` (``torch.cuda.mem_get_info``) sees every process on the GPU, which
 is what matters when the engine runs in other processes; torch's own reserved/peak counters
 are kept alongside for this process. ``PeakWatcher`` polls both on a thread to catch peaks
@@ -16,7 +25,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -61,6 +71,8 @@ class HostSample:
     rss: int
     system_used: int
     system_shared: int
+    by_pid: dict[int, int] = field(default_factory=dict)
+    """anon + shmem of each sampled process (empty for ``scope="node"``)."""
 
     @property
     def value(self) -> int:
@@ -89,6 +101,42 @@ def _status_fields(pid: int | str) -> dict[str, int] | None:
             key, value = line.split(b":", 1)
             out[key.decode()] = int(value.split()[0]) * 1024
     return out
+
+
+def _pss_fields(pid: int | str) -> dict[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    out = {}
+    for line in data.split(b"\n"):
+        if line.startswith((b"Rss:", b"Pss_Anon:", b"Pss_Shmem:")):
+            key, value = line.split(b":", 1)
+            out[key.decode()] = int(value.split()[0]) * 1024
+    return out if "Pss_Anon" in out else None
+
+
+def _node_anon_shmem() -> tuple[int, int]:
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return fields.get("AnonPages", 0), fields.get("Shmem", 0)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (engine workers, vLLM's engine core)."""
+    if psutil is not None:
+        try:
+            return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            return [pid]
+    return [pid] + _children_proc(pid)
 
 
 def _children_proc(pid: int) -> list[int]:
@@ -125,45 +173,79 @@ def _meminfo() -> tuple[int, int]:
 
 
 class HostSampler:
-    """Samples the host memory of this process and (optionally) its children."""
+    """Samples the host memory of this process, ``roots`` and (optionally) their children.
 
-    def __init__(self, *, children: bool = True, system: bool = True) -> None:
+    ``shared``: count pages shared between the sampled processes once (proportional set
+    size, see the module docstring). ``scope="node"``: the node's anon+shmem instead.
+    """
+
+    def __init__(
+        self,
+        *,
+        children: bool = True,
+        system: bool = True,
+        roots: Iterable[int] = (),
+        shared: bool = False,
+        scope: str = "processes",
+    ) -> None:
+        if scope not in ("processes", "node"):
+            raise ValueError(f"scope must be 'processes' or 'node', got {scope!r}")
         self.children = children
         self.system = system
-        self._pids: list[int] = [os.getpid()]
+        self.shared = shared
+        self.scope = scope
+        self.roots: list[int] = [os.getpid(), *(r for r in roots if r != os.getpid())]
+        self._pids: list[int] = list(self.roots)
         self.refresh()
+
+    def add_root(self, pid: int) -> None:
+        """Sample ``pid`` (another participant's process) and its children too."""
+        if pid not in self.roots:
+            self.roots.append(pid)
+            self.refresh()
 
     def refresh(self) -> None:
         """Re-discover child processes (engine workers may start late)."""
-        me = os.getpid()
-        if not self.children:
-            self._pids = [me]
-        elif psutil is not None:
-            try:
-                self._pids = [me] + [c.pid for c in psutil.Process(me).children(recursive=True)]
-            except psutil.Error:
-                self._pids = [me]
-        else:
-            self._pids = [me] + _children_proc(me)
+        pids: list[int] = []
+        for root in self.roots:
+            for pid in process_tree(root) if self.children else [root]:
+                if pid not in pids:
+                    pids.append(pid)
+        self._pids = pids
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self._pids)
 
     def sample(self) -> HostSample:
+        used, shared = _meminfo() if self.system else (0, 0)
+        if self.scope == "node":
+            anon, shmem = _node_anon_shmem()
+            return HostSample(anon=anon, shmem=shmem, rss=anon + shmem, system_used=used, system_shared=shared)
         anon = shmem = rss = 0
+        by_pid: dict[int, int] = {}
         for pid in self._pids:
-            fields = _status_fields(pid)
-            if fields is None:
-                if psutil is not None:  # not Linux: RSS only
-                    try:
-                        rss_pid = psutil.Process(pid).memory_info().rss
+            fields = _pss_fields(pid) if self.shared else None
+            if fields is not None:
+                a, sh, r = fields["Pss_Anon"], fields.get("Pss_Shmem", 0), fields.get("Rss", 0)
+            else:
+                fields = _status_fields(pid)
+                if fields is None:
+                    if psutil is None:
+                        continue
+                    try:  # not Linux: RSS only
+                        r = psutil.Process(pid).memory_info().rss
                     except psutil.Error:
                         continue
-                    anon += rss_pid
-                    rss += rss_pid
-                continue
-            anon += fields.get("RssAnon", fields.get("VmRSS", 0))
-            shmem += fields.get("RssShmem", 0)
-            rss += fields.get("VmRSS", 0)
-        used, shared = _meminfo() if self.system else (0, 0)
-        return HostSample(anon=anon, shmem=shmem, rss=rss, system_used=used, system_shared=shared)
+                    a, sh = r, 0
+                else:
+                    a, sh = fields.get("RssAnon", fields.get("VmRSS", 0)), fields.get("RssShmem", 0)
+                    r = fields.get("VmRSS", 0)
+            anon += a
+            shmem += sh
+            rss += r
+            by_pid[pid] = a + sh
+        return HostSample(anon=anon, shmem=shmem, rss=rss, system_used=used, system_shared=shared, by_pid=by_pid)
 
 
 class DeviceSampler:
