@@ -54,10 +54,15 @@ def big_engine(big_model_dir):
     engine.close()
 
 
-def test_private_pools_break_gpu_mode_as_measured_across_processes(big_engine):
+def test_private_pools_break_gpu_mode_as_measured_across_processes(big_model_dir):
     # The order is right but each process keeps its own pool's chunks: only measuring both
-    # processes sees that two copies' memory is on the host. First in the module: the engine
-    # process has not yet freed memory that its allocator could hand to the new pool unseen.
+    # processes sees that two copies' memory is on the host. A fresh engine process: one that
+    # has already freed memory could hand it to the new pool without its RSS growing.
+    with EngineProcess(EngineConfig(engine="hf", model_dir=str(big_model_dir))) as fresh:
+        _private_pools_break_gpu_mode(fresh)
+
+
+def _private_pools_break_gpu_mode(big_engine: EngineProcess) -> None:
     engine = big_engine.memory(chunk_bytes=CHUNK, pin="none")
     trainer = TorchTrainerMemory(loader=make_trainer_state, pool=HostPool(chunk_bytes=CHUNK, pin="none"), device="cpu")
     executor = HandoffExecutor(trainer, engine, invariants=[NoCoexistingHostCopies()])
