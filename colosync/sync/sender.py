@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -39,13 +40,21 @@ Specs = Sequence[tuple[str, Sequence[int], torch.dtype]]  # TensorSpecs, or plai
 
 
 def peft_lora_spec(peft_model: torch.nn.Module, adapter: str = "default") -> LoraSpec:
-    """The ``LoraSpec`` of a PEFT model's adapter (rank, alpha, targets, rslora, layers)."""
+    """The ``LoraSpec`` of a PEFT model's adapter (rank, alpha, targets, rslora, layers).
+
+    The manifest names target modules by leaf (``q_proj``). PEFT keeps ``"all-linear"``, a
+    regex string or a list of full module paths as given, so for those the targets are the
+    leaves of the modules the adapter really wraps, and ``layers`` the layer indices they sit
+    in when that is not every layer.
+    """
     configs: Any = peft_model.peft_config  # PEFT's {adapter name: LoraConfig}, duck-typed (PEFT is optional)
     cfg = configs[adapter]
     targets = cfg.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
     layers = getattr(cfg, "layers_to_transform", None)
     layers = (layers,) if isinstance(layers, int) else tuple(sorted(layers)) if layers else None
+    if not all(target.isidentifier() for target in targets):
+        targets, layers = _wrapped_targets(peft_model, adapter, layers)
     return LoraSpec(
         rank=int(cfg.r),
         alpha=float(cfg.lora_alpha),
@@ -53,6 +62,26 @@ def peft_lora_spec(peft_model: torch.nn.Module, adapter: str = "default") -> Lor
         use_rslora=bool(getattr(cfg, "use_rslora", False)),
         layers=layers,
     )
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _wrapped_targets(
+    peft_model: torch.nn.Module, adapter: str, layers: tuple[int, ...] | None
+) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """The leaf names of the modules carrying ``adapter``, and their layers if not all of them."""
+    wrapped = [name for name, module in peft_model.named_modules() if adapter in getattr(module, "lora_A", {})]
+    if not wrapped:
+        raise ConfigError(f"PEFT adapter {adapter!r} wraps no module; check its target_modules")
+    leaves = tuple(sorted({name.rsplit(".", 1)[-1] for name in wrapped}))
+    found = {int(m.group(1)) for m in (_LAYER_INDEX.search(f".{name}.") for name in wrapped) if m}
+    config: Any = getattr(peft_model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    every = set(range(int(getattr(config, "num_hidden_layers", 0) or 0)))
+    if layers is None and found and found != every:
+        layers = tuple(sorted(found))
+    return leaves, layers
 
 
 def peft_lora_tensors(peft_model: torch.nn.Module, adapter: str = "default") -> list[tuple[str, torch.Tensor]]:
