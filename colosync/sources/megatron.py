@@ -34,7 +34,7 @@ Why it looks like this:
   dense tensors still come only from the sender's own model-parallel group.
 
 Not handled (each rejected with a message saying so): virtual pipeline chunks, linear
-biases, MLA, Gated-DeltaNet hybrids, LoRA on experts. Full-weight updates send base
+biases, MLA, LoRA on experts (routed or shared). Full-weight updates send base
 weights; an adapter is not merged into them.
 
 One module: the collective schedule (who gathers, who sends, who raises when the engine
@@ -148,7 +148,26 @@ _WRONG_ARCH_HINT = {
     (Slot.EXPERT_FC2, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
     (Slot.FC1, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
     (Slot.FC2, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
+    **{
+        (slot, Role.WEIGHT): "a gated shared expert is Qwen3-Next's: use arch='qwen3_next'"
+        for slot in (Slot.SHARED_FC1, Slot.SHARED_FC2, Slot.SHARED_GATE)
+    },
+    **{
+        (slot, Role.WEIGHT): "Gated-DeltaNet layers are Qwen3.5's and Qwen3-Next's: use arch='qwen3_5' or "
+        "'qwen3_next' (the context's linear_layers must list this layer)"
+        for slot in (
+            Slot.GDN_IN_PROJ,
+            Slot.GDN_CONV,
+            Slot.GDN_A_LOG,
+            Slot.GDN_DT_BIAS,
+            Slot.GDN_NORM,
+            Slot.GDN_OUT_PROJ,
+        )
+    },
 }
+
+
+_GDN_ROWS = (Slot.GDN_CONV, Slot.GDN_A_LOG, Slot.GDN_DT_BIAS)
 
 
 @dataclass
@@ -567,10 +586,11 @@ class MegatronSource:
             for key, (name, _) in self._local.items():
                 if key.role.base or key.slot in wanted:
                     continue
-                if key.slot.expert:
+                if key.slot.expert or key.slot in (Slot.SHARED_FC1, Slot.SHARED_FC2):
+                    which = "routed" if key.slot.expert else "shared"
                     problems.append(
-                        f"{name} is a LoRA on a routed expert; LoRA on experts is not converted (refused by name): "
-                        "train the adapter on attention only"
+                        f"{name} is a LoRA on a {which} expert; LoRA on experts is not converted (refused by name): "
+                        "train the adapter on attention (and Gated-DeltaNet in_proj / out_proj) only"
                     )
                 else:
                     problems.append(
@@ -601,7 +621,9 @@ class MegatronSource:
                 "model's config"
             )
         if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            dim = getattr(param, "partition_dim", None)
+            # GatedDeltaNet marks conv1d / A_log / dt_bias tensor_model_parallel without a partition_dim:
+            # they are split on dim 0 (its sharded_state_dict says so)
+            dim = getattr(param, "partition_dim", 0 if key.slot in _GDN_ROWS else None)
             if item.split is Split.NONE or dim != item.split.value:
                 problems.append(
                     f"{name} is split on dim {dim} by Megatron but the converter expects "

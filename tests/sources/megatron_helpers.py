@@ -39,6 +39,8 @@ LORA_NAMES: Mapping[Convention, tuple[str, str]] = {
 }
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+GROUPED_GDN_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")  # Qwen3-Next's
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,15 @@ class Geometry:
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 2
+    shared_expert_size: int = 0  # Qwen3-Next: a gated shared expert next to the routed ones
+    # Gated-DeltaNet hybrids: every linear_freq-th layer is full attention, the rest GDN (0: no GDN)
+    linear_freq: int = 0
+    linear_key_heads: int = 4
+    linear_value_heads: int = 8
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel: int = 4
+    rotary_percent: float = 1.0  # Qwen3.5 rotates a quarter of each head (HF partial_rotary_factor)
 
     @property
     def head_dim(self) -> int:
@@ -70,7 +81,31 @@ class Geometry:
     @property
     def targets(self) -> tuple[str, ...]:
         """Every HF module a LoRA of this architecture may target."""
+        if self.linear_freq and self.num_experts:
+            return ATTENTION_TARGETS + GROUPED_GDN_TARGETS
+        if self.linear_freq:
+            return ALL_TARGETS + GDN_TARGETS
         return ATTENTION_TARGETS if self.num_experts else ALL_TARGETS
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated-DeltaNet layers (megatron-core's linear_attention_freq rule)."""
+        if not self.linear_freq:
+            return ()
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.linear_freq)
+
+    def linear_attention(self) -> Any:
+        from colosync.sources.architectures.context import LinearAttention
+
+        if not self.linear_freq:
+            return None
+        return LinearAttention(
+            num_key_heads=self.linear_key_heads,
+            num_value_heads=self.linear_value_heads,
+            key_head_dim=self.linear_key_head_dim,
+            value_head_dim=self.linear_value_head_dim,
+            conv_kernel=self.linear_conv_kernel,
+        )
 
 
 GEOMETRIES: Mapping[str, Geometry] = {
@@ -78,8 +113,21 @@ GEOMETRIES: Mapping[str, Geometry] = {
     "qwen2": Geometry(arch="qwen2", tie=True),
     "qwen3": Geometry(arch="qwen3"),
     "qwen3_moe": Geometry(arch="qwen3_moe", num_layers=2, num_experts=4, moe_ffn_hidden_size=32, tie=True),
+    "qwen3_5": Geometry(arch="qwen3_5", linear_freq=2, tie=True, rotary_percent=0.25),
+    "qwen3_next": Geometry(
+        arch="qwen3_next",
+        num_layers=2,
+        linear_freq=2,
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+        shared_expert_size=48,
+        rotary_percent=0.25,
+    ),
 }
-"""One tiny model per architecture (Qwen2 and Qwen3-MoE tied, as their small checkpoints are)."""
+"""One tiny model per architecture (Qwen2, Qwen3-MoE and Qwen3.5 tied, as their small checkpoints are).
+
+Qwen3.5's layers alternate Gated-DeltaNet and gated full attention (linear_freq=2), so any two
+consecutive layers (the 2-layer variants) hold one of each."""
 
 
 # -- worlds ---------------------------------------------------------------------------------
@@ -271,8 +319,24 @@ def transformer_config(
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             moe_router_dtype="fp32",
+            moe_shared_expert_intermediate_size=geom.shared_expert_size or None,
+            moe_shared_expert_gate=bool(geom.shared_expert_size),
+        )
+    gdn: dict[str, Any] = {}
+    if geom.linear_freq:
+        gdn = dict(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=geom.linear_freq,
+            linear_num_key_heads=geom.linear_key_heads,
+            linear_num_value_heads=geom.linear_value_heads,
+            linear_key_head_dim=geom.linear_key_head_dim,
+            linear_value_head_dim=geom.linear_value_head_dim,
+            linear_conv_kernel_dim=geom.linear_conv_kernel,
+            attention_output_gate=True,
+            deterministic_mode=True,  # GDN's torch chunked delta rule, not FLA's Triton kernel
         )
     return TransformerConfig(
+        **gdn,
         add_qkv_bias=geom.arch == "qwen2",
         qk_layernorm=geom.arch.startswith("qwen3"),
         **moe,
@@ -311,8 +375,60 @@ def build_gpt(config: Any, geom: Geometry, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=geom.num_experts or None, qk_layernorm=config.qk_layernorm)
+    if geom.linear_freq:
+        spec = _hybrid_block_spec(config, spec, geom)
     with _cpu_tensor_cuda():
         return _gpt(GPTModel, config, spec, geom, parallel_state)
+
+
+def _hybrid_block_spec(config: Any, attention_layer: Any, geom: Geometry) -> Any:
+    """This stage's layers of a GDN hybrid, built from megatron-core's local-spec modules.
+
+    megatron-core 0.16.1's own hybrid block spec (``get_transformer_block_with_experimental_
+    attention_variant_spec``) asserts Transformer Engine; this is the same block with the local
+    spec's modules: megatron-core's ``GatedDeltaNet`` with a ``ColumnParallelLinear`` in_proj, a
+    torch RMSNorm out_norm and a ``RowParallelLinear`` out_proj in the GDN layers, the local
+    gated attention in the others. GatedDeltaNet refuses to build without the FLA package,
+    which it only calls in forward (``l2norm``; its chunked kernel is replaced by its torch
+    one under ``deterministic_mode``): ``gdn_without_fla`` provides a torch ``l2norm`` (and runs
+    its ``torch.compile``'d gated norm uncompiled).
+    """
+    import copy
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    gdn_without_fla()
+    norm = attention_layer.submodules.input_layernorm
+    linear_layer = copy.deepcopy(attention_layer)
+    linear_layer.submodules.self_attention = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
+    )
+    layers = [linear_layer if i in geom.linear_layers else attention_layer for i in range(geom.num_layers)]
+    offset = get_transformer_layer_offset(config)
+    mine = layers[offset : offset + get_num_layers_to_build(config)]
+    return TransformerBlockSubmodules(layer_specs=mine, layer_norm=norm)
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's ``l2norm`` (``x / sqrt(sum(x^2) + eps)``, in fp32), in torch."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt((x32 * x32).sum(dim=dim, keepdim=True) + eps)).to(x.dtype)
+
+
+def gdn_without_fla() -> None:
+    """Let megatron-core's GatedDeltaNet build and run without the FLA package (see above)."""
+    from megatron.core.ssm import gated_delta_net
+
+    gated_delta_net.HAVE_FLA = True
+    gated_delta_net.l2norm = _l2norm
+    # its gated-norm helper is torch.compile'd (megatron's jit_fuser): the same ops, uncompiled (no C++ build)
+    gated = gated_delta_net.GatedDeltaNet._apply_gated_norm
+    gated_delta_net.GatedDeltaNet._apply_gated_norm = getattr(gated, "_torchdynamo_orig_callable", gated)
 
 
 @contextlib.contextmanager
@@ -345,6 +461,7 @@ def _gpt(GPTModel: Any, config: Any, spec: Any, geom: Geometry, parallel_state: 
         share_embeddings_and_output_weights=geom.tie,
         position_embedding_type="rope",
         rotary_base=10000,
+        rotary_percent=geom.rotary_percent,
     )
 
 
@@ -386,9 +503,10 @@ def attach_lora(
     dtype: torch.dtype = torch.float32,
     experts: bool = False,
 ) -> list[str]:
-    """Add a LoRA to every linear_qkv/linear_proj/linear_fc1/linear_fc2; returns the module names.
+    """Add a LoRA to every linear_qkv/linear_proj/linear_fc1/linear_fc2 (and GDN in_proj/out_proj);
+    returns the module names.
 
-    Routed experts' linears get one only with ``experts=True`` (to test that it is refused).
+    Routed (and shared) experts' linears get one only with ``experts=True`` (to test that it is refused).
     Shapes are this rank's shards; values are zero until loaded (``load_megatron_tensors``).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -396,9 +514,9 @@ def attach_lora(
     a_name, b_name = LORA_NAMES[convention]
     wrapped = []
     for name, module in list(model.named_modules()):
-        if not name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
+        if not name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", ".in_proj", ".out_proj")):
             continue
-        if ".experts." in name and not experts:
+        if (".experts." in name or ".shared_experts." in name) and not experts:
             continue
         out_local, in_local = module.weight.shape
         row = isinstance(module, RowParallelLinear)
@@ -490,6 +608,42 @@ def hf_config(geom: Geometry) -> Any:
             mlp_only_layers=[],
             router_aux_loss_coef=0.0,
         )
+    if geom.arch == "qwen3_5":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": geom.rotary_percent}
+        return transformers.Qwen3_5TextConfig(
+            **{**common, "rope_parameters": rope},
+            attention_bias=False,
+            layer_types=[
+                "linear_attention" if i in geom.linear_layers else "full_attention" for i in range(geom.num_layers)
+            ],
+            linear_num_key_heads=geom.linear_key_heads,
+            linear_num_value_heads=geom.linear_value_heads,
+            linear_key_head_dim=geom.linear_key_head_dim,
+            linear_value_head_dim=geom.linear_value_head_dim,
+            linear_conv_kernel_dim=geom.linear_conv_kernel,
+        )
+    if geom.arch == "qwen3_next":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": geom.rotary_percent}
+        return transformers.Qwen3NextConfig(
+            **{**common, "rope_parameters": rope},
+            attention_bias=False,
+            layer_types=[
+                "linear_attention" if i in geom.linear_layers else "full_attention" for i in range(geom.num_layers)
+            ],
+            linear_num_key_heads=geom.linear_key_heads,
+            linear_num_value_heads=geom.linear_value_heads,
+            linear_key_head_dim=geom.linear_key_head_dim,
+            linear_value_head_dim=geom.linear_value_head_dim,
+            linear_conv_kernel_dim=geom.linear_conv_kernel,
+            moe_intermediate_size=geom.moe_ffn_hidden_size,
+            shared_expert_intermediate_size=geom.shared_expert_size,
+            num_experts=geom.num_experts,
+            num_experts_per_tok=geom.moe_topk,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+        )
     raise ValueError(geom.arch)
 
 
@@ -523,6 +677,7 @@ def make_reference(
                 p.normal_(0.0, 0.05)
             else:
                 p.uniform_(0.5, 1.5)
+    exact_norms(model)
     full = {k: v.clone() for k, v in model.state_dict().items() if not (geom.tie and k == "lm_head.weight")}
     peft_model = random_lora(model, rank=lora_rank, alpha=lora_alpha, targets=geom.targets, seed=seed + 1, scale=0.1)
     share_fused_lora_a(peft_model)
@@ -530,15 +685,39 @@ def make_reference(
     return {"full": full, "lora": lora}
 
 
+def exact_norms(model: torch.nn.Module) -> None:
+    """Round 1-D weights to multiples of 2^-16 so that shifting a zero-centered norm by one is exact.
+
+    Qwen3.5's HF layer norms compute ``(1 + w) * x`` and the local spec's Megatron norms
+    ``w * x``: the conversion adds one on the way in and subtracts it on the way out, which
+    is bit-exact for weights on this grid (and for any Megatron weight in [0.5, 2])."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((p * 65536).round() / 65536)
+
+
 def share_fused_lora_a(peft_model: torch.nn.Module) -> None:
-    """Make k/v share q's lora_A and up share gate's: what a fused Megatron module can express."""
+    """Make k/v share q's lora_A, up share gate's and GDN's z/b/a share in_proj_qkv's: what a
+    fused Megatron module can express."""
+
+    def share(first: Any, *others: Any) -> None:
+        for m in others:
+            m.lora_A["default"].weight.copy_(first.lora_A["default"].weight)
+
     with torch.no_grad():
         for layer in peft_model.base_model.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for m in (attn.k_proj, attn.v_proj):
-                m.lora_A["default"].weight.copy_(attn.q_proj.lora_A["default"].weight)
+            mlp = layer.mlp
+            if hasattr(layer, "self_attn"):
+                attn = layer.self_attn
+                share(attn.q_proj, attn.k_proj, attn.v_proj)
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is not None and hasattr(getattr(gdn, "in_proj_qkv", None), "lora_A"):
+                share(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)
+            if gdn is not None and hasattr(getattr(gdn, "in_proj_qkvz", None), "lora_A"):
+                share(gdn.in_proj_qkvz, gdn.in_proj_ba)
             if hasattr(mlp, "up_proj") and hasattr(mlp.up_proj, "lora_A"):
-                mlp.up_proj.lora_A["default"].weight.copy_(mlp.gate_proj.lora_A["default"].weight)
+                share(mlp.gate_proj, mlp.up_proj)
 
 
 def vocab_pad(geom: Geometry, seed: int = 7) -> torch.Tensor:
@@ -605,5 +784,8 @@ def megatron_named(
             module = item.slot.value
             if key.expert is not None:  # SequentialMLP: mlp.experts.local_experts.<i>.linear_fc1
                 module = module.replace("experts.", f"experts.local_experts.{key.expert}.")
+            if item.slot.bare:  # GatedDeltaNet's own A_log / dt_bias
+                out[f"{prefix}{module}"] = value
+                continue
             out[f"{prefix}{module}.{suffixes[item.role]}"] = value
     return out

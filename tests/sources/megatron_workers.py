@@ -473,6 +473,27 @@ def engine_worker(
 
 # -- the parent's side of the engine tests ----------------------------------------------------
 
+
+def _assert_gdn_lora_matters(peft_model: Any, want_logprobs: list, margin: float) -> None:
+    """Without the LoRA on the Gated-DeltaNet linears, PEFT's logprobs move by more than ``margin``."""
+    from colosync.demo.models import greedy
+
+    saved = {}
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".linear_attn." in name and "lora_B" in name:
+                saved[name] = p.clone()
+                p.zero_()
+    assert saved, "the reference adapter has no LoRA on the Gated-DeltaNet linears"
+    _, without = greedy(peft_model, ENGINE_PROMPTS, 8)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if name in saved:
+                p.copy_(saved[name])
+    moved = max(abs(a - b) for g, w in zip(without, want_logprobs, strict=True) for a, b in zip(g, w, strict=False))
+    assert moved > margin, f"the GDN LoRA moves PEFT's logprobs by only {moved}"
+
+
 ENGINE_PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
 
 
@@ -491,7 +512,7 @@ def full_then_lora_through_engine(
     from colosync.engines.config import EngineConfig, Generate
     from colosync.engines.process import EngineProcess
 
-    from megatron_helpers import hf_class, hf_config, share_fused_lora_a
+    from megatron_helpers import exact_norms, hf_class, hf_config, share_fused_lora_a
 
     rank, alpha = 4, 10.0
 
@@ -504,6 +525,7 @@ def full_then_lora_through_engine(
                     p.normal_(0.0, 0.1)
                 else:
                     p.uniform_(0.5, 1.5)
+        exact_norms(model)
         return model.eval()
 
     engine_model = seeded(1)
@@ -517,6 +539,8 @@ def full_then_lora_through_engine(
     share_fused_lora_a(peft_model)
     lora_tokens, lora_logprobs = greedy(peft_model, ENGINE_PROMPTS, 8)
     assert lora_tokens != full_tokens, "the adapter must change the generations for the test to mean anything"
+    if geom.linear_freq:  # an engine that dropped the GDN in_proj / out_proj adapter would be caught
+        _assert_gdn_lora_matters(peft_model, lora_logprobs, 100 * tolerance)
     ref_path = tmp_path / "reference.pt"
     lora = get_peft_model_state_dict(peft_model)
     torch.save({"full": full, "lora": lora, "rank": rank, "alpha": alpha}, ref_path)

@@ -1,7 +1,9 @@
 """Multi-process (gloo) tests of the Megatron source against a real megatron-core GPTModel.
 
 World of 4 ranks: Llama at TP=2 x PP=2 and TP=4; Qwen2 (q/k/v biases, tied embeddings) and
-Qwen3 (q/k norms) at TP=2 x PP=2; Qwen3-MoE with expert parallelism EP=2 laid over the
+Qwen3 (q/k norms) and Qwen3.5 (megatron-core's GatedDeltaNet layers alternating with gated
+attention; LoRA on GDN in_proj / out_proj) at TP=2 x PP=2, Qwen3-Next (the same plus routed
+experts over EP=2 and a gated shared expert) at TP=2; Qwen3-MoE with expert parallelism EP=2 laid over the
 data-parallel replicas (TP=2, expert-TP=2), over the TP ranks (TP=2, expert-TP=1) and
 across pipeline stages (PP=2, EP=2). Each rank builds the real Megatron model of its stage
 (megatron-core's own SequentialMLP experts, q/k layernorms and qkv bias), loads its shards
@@ -51,6 +53,8 @@ CASES = {  # id: (arch, tp, pp, ep, expert-tp, convention)
     "qwen3moe-tp2-ep2-over-dp": ("qwen3_moe", 2, 1, 2, None, "peft"),
     "qwen3moe-tp2-ep2-over-tp-etp1": ("qwen3_moe", 2, 1, 2, 1, "nemo"),
     "qwen3moe-pp2-ep2": ("qwen3_moe", 1, 2, 2, None, "peft"),
+    "qwen3_5-gdn-tp2pp2": ("qwen3_5", 2, 2, 1, None, "peft"),
+    "qwen3next-gdn-tp2-ep2": ("qwen3_next", 2, 1, 2, None, "nemo"),
 }
 
 
@@ -76,6 +80,12 @@ def test_stream_equals_hf_peft_reference_at_every_bucket_size(cpu_world, referen
         assert any(n.endswith("self_attention.linear_qkv.bias") for n in names)
     if arch.startswith("qwen3"):
         assert any(n.endswith("self_attention.q_layernorm.weight") for n in names)
+    if arch in ("qwen3_5", "qwen3_next"):  # megatron-core's real GatedDeltaNet, LoRA on its in_proj and out_proj
+        a, b = ("lora_A", "lora_B") if convention == "peft" else ("adapter.linear_in", "adapter.linear_out")
+        for suffix in ("in_proj.weight", f"in_proj.{a}.weight", f"out_proj.{b}.weight", "conv1d.weight", "A_log"):
+            assert any(n.endswith(f"self_attention.{suffix}") for n in names), suffix
+    if arch == "qwen3_next":  # megatron-core's SharedExpertMLP and its gate
+        assert any(n.endswith("mlp.shared_experts.gate_weight") for n in names)
 
     pushes = [r["pushes"] for r in ranks]
     for i, first in enumerate(pushes[0]):

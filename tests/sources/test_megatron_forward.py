@@ -42,12 +42,31 @@ def test_cpu_megatron_logits_match_converted_hf(cpu_world, tp):
 
 @pytest.mark.parametrize(
     ("arch", "tp", "ep"),
-    [("qwen2", 2, 1), ("qwen3", 2, 1), ("qwen3", 4, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 1, 4)],
-    ids=["qwen2-tp2", "qwen3-tp2", "qwen3-tp4", "qwen3moe-tp2-ep2", "qwen3moe-ep4"],
+    [
+        ("qwen2", 2, 1),
+        ("qwen3", 2, 1),
+        ("qwen3", 4, 1),
+        ("qwen3_moe", 2, 2),
+        ("qwen3_moe", 1, 4),
+        ("qwen3_5", 2, 1),
+        ("qwen3_next", 2, 2),
+    ],
+    ids=[
+        "qwen2-tp2",
+        "qwen3-tp2",
+        "qwen3-tp4",
+        "qwen3moe-tp2-ep2",
+        "qwen3moe-ep4",
+        "qwen3_5-gdn-tp2",
+        "qwen3next-tp2-ep2",
+    ],
 )
 def test_cpu_qwen_family_logits_match_converted_hf(cpu_world, arch, tp, ep):
     """Qwen2's q/k/v biases and tied embeddings, Qwen3's q/k norms, Qwen3-MoE's router and
-    experts gathered over EP: Megatron's own forward agrees with the converted HF model."""
+    experts gathered over EP, Qwen3.5's Gated-DeltaNet layer (in_proj sections per shard, conv1d,
+    A_log, dt_bias, gated norm; LoRA on in_proj / out_proj) and gated attention, Qwen3-Next's
+    in_proj regrouped per key head and its gated shared expert: Megatron's own forward agrees
+    with the converted HF model."""
     result = cpu_world.run(forward_worker, tp, "float32", 12, arch, ep)[0]
     print(f"{arch} TP={tp} EP={ep}: {result}")
     _check(result, "float32")
@@ -75,13 +94,31 @@ def test_gpu_megatron_logits_match_converted_hf(tp, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("arch", "tp", "ep", "world"),
-    [("qwen2", 1, 1, 1), ("qwen3", 2, 1, 2), ("qwen3_moe", 1, 1, 1), ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 2, 4)],
-    ids=["qwen2-tp1", "qwen3-tp2", "qwen3moe-1gpu", "qwen3moe-ep2", "qwen3moe-tp2-ep2"],
+    [
+        ("qwen2", 1, 1, 1),
+        ("qwen3", 2, 1, 2),
+        ("qwen3_moe", 1, 1, 1),
+        ("qwen3_moe", 1, 2, 2),
+        ("qwen3_moe", 2, 2, 4),
+        ("qwen3_5", 1, 1, 1),
+        ("qwen3_5", 2, 1, 2),
+        ("qwen3_next", 2, 2, 4),
+    ],
+    ids=[
+        "qwen2-tp1",
+        "qwen3-tp2",
+        "qwen3moe-1gpu",
+        "qwen3moe-ep2",
+        "qwen3moe-tp2-ep2",
+        "qwen3_5-1gpu",
+        "qwen3_5-tp2",
+        "qwen3next-tp2-ep2",
+    ],
 )
 def test_gpu_qwen_family_logits_match_converted_hf(arch, tp, ep, world, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    if arch == "qwen3_moe" and dtype == "bfloat16":
+    if arch in ("qwen3_moe", "qwen3_next") and dtype == "bfloat16":
         # Megatron routes in fp32 (moe_router_dtype), HF in the model dtype: a bf16 near-tie can pick
         # another expert, which is not a conversion error; fp32 checks the experts exactly
         pytest.skip("MoE routing is compared in fp32 only")

@@ -67,6 +67,8 @@ ENGINE_CASES = {
     "qwen2-tied-tp2": ("qwen2", 2, 1),
     "qwen3-tp2": ("qwen3", 2, 1),
     "qwen3moe-tp2-ep2": ("qwen3_moe", 2, 2),
+    "qwen3_5-gdn-tp2": ("qwen3_5", 2, 1),  # layer 0 Gated-DeltaNet (LoRA on in_proj), layer 1 gated attention
+    "qwen3next-gdn-tp2-ep2": ("qwen3_next", 2, 2),  # the same hybrid with routed + gated shared experts
 }
 
 

@@ -30,6 +30,7 @@ from colosync.sources.megatron_layout import (
     ParamKey,
     Role,
     Slot,
+    Split,
     classify,
     hf_specs,
     merge_fc1,
@@ -81,6 +82,9 @@ def _ctx(
         lora=lora,
         tp_size=tp,
         pp_size=pp,
+        linear_layers=geom.linear_layers,
+        linear_attention=geom.linear_attention(),
+        shared_expert_size=geom.shared_expert_size,
     )
     fields.update(changes)
     return ConversionContext(**fields)
@@ -128,6 +132,21 @@ def _ctx(
             ParamKey(Slot.EXPERT_FC1, Role.LORA_A, 0, 1),
         ),
         ("output_layer.weight", ParamKey(Slot.OUTPUT, Role.WEIGHT)),
+        # Gated-DeltaNet (local and Transformer-Engine specs) and Qwen3-Next's gated shared expert
+        ("decoder.layers.0.self_attention.in_proj.weight", ParamKey(Slot.GDN_IN_PROJ, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.in_proj.lora_A.weight", ParamKey(Slot.GDN_IN_PROJ, Role.LORA_A, 0)),
+        (
+            "decoder.layers.0.self_attention.in_proj.adapter.linear_out.weight",
+            ParamKey(Slot.GDN_IN_PROJ, Role.LORA_B, 0),
+        ),
+        ("decoder.layers.2.self_attention.in_proj.layer_norm_weight", ParamKey(Slot.INPUT_NORM, Role.WEIGHT, 2)),
+        ("decoder.layers.0.self_attention.conv1d.weight", ParamKey(Slot.GDN_CONV, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.A_log", ParamKey(Slot.GDN_A_LOG, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.dt_bias", ParamKey(Slot.GDN_DT_BIAS, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.out_norm.weight", ParamKey(Slot.GDN_NORM, Role.WEIGHT, 0)),
+        ("decoder.layers.0.self_attention.out_proj.weight", ParamKey(Slot.GDN_OUT_PROJ, Role.WEIGHT, 0)),
+        ("decoder.layers.1.mlp.shared_experts.linear_fc2.weight", ParamKey(Slot.SHARED_FC2, Role.WEIGHT, 1)),
+        ("decoder.layers.1.mlp.shared_experts.gate_weight", ParamKey(Slot.SHARED_GATE, Role.WEIGHT, 1)),
     ],
 )
 def test_naming_table_accepts_every_convention(name, key):
@@ -146,8 +165,9 @@ def test_unknown_names_ask_for_a_naming_rule_and_rules_extend_the_table():
     assert classify(name, extended) == ParamKey(Slot.QKV, Role.LORA_A, 0)
     with pytest.raises(ConversionError, match="bias"):  # add_bias_linear: no architecture here has it
         classify("decoder.layers.0.self_attention.linear_proj.bias", DEFAULT_NAMING)
-    with pytest.raises(ConversionError, match="shared expert"):
-        classify("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", DEFAULT_NAMING)
+    # a shared expert is classified (Qwen3-Next converts it; other architectures refuse it by name)
+    shared = classify("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", DEFAULT_NAMING)
+    assert shared == ParamKey(Slot.SHARED_FC1, Role.WEIGHT, 0)
     with pytest.raises(ConversionError, match="legacy GroupedMLP"):
         classify("decoder.layers.0.mlp.experts.weight1", DEFAULT_NAMING)
 
@@ -440,7 +460,8 @@ def test_to_megatron_then_convert_is_identity(arch, kind, tp, ep, etp):
     ctx = _ctx(geom, kind=kind, tp=tp, **moe)
     gen = torch.Generator().manual_seed(1)
     for item in plan(ctx):
-        hf = {out.name: torch.randn(out.shape, generator=gen) for out in item.outputs}
+        # on a 2^-16 grid: a zero-centered norm's shift by one (Qwen3.5) is then exact both ways
+        hf = {out.name: torch.randn(out.shape, generator=gen).mul(65536).round().div(65536) for out in item.outputs}
         if item.role is Role.LORA_A:  # a fused module's parts share one lora_A
             hf = dict.fromkeys(hf, next(iter(hf.values())))
         full = megatron_layout.to_megatron(item, hf, ctx, pad=torch.randn(64, geom.hidden_size, generator=gen))
@@ -515,7 +536,10 @@ def _real_config(arch: str, **changes):
         ("qwen3_moe", {"num_moe_experts": None}, r"num_moe_experts=None"),
         ("qwen3_moe", {"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
         ("qwen3_moe", {"moe_router_score_function": "sigmoid"}, "moe_router_score_function"),
-        ("qwen3", {"experimental_attention_variant": "gated_delta_net"}, "Gated-DeltaNet hybrids"),
+        ("qwen3", {"experimental_attention_variant": "gated_delta_net"}, r"gated_delta_net.*use arch='qwen3_5'"),
+        ("qwen3", {"attention_output_gate": True}, r"attention_output_gate=True.*use arch='qwen3_5'"),
+        ("qwen3_5", {"attention_output_gate": False}, "attention_output_gate=False"),
+        ("qwen3_5", {"num_moe_experts": 8}, "num_moe_experts=8"),
         ("qwen3", {"multi_latent_attention": True}, "MLA"),
     ],
 )
@@ -536,11 +560,13 @@ def test_from_megatron_reads_each_architecture(arch):
         geom.tie,
     )
     assert ctx.expert_tp_size == ctx.tp_size == 2
+    assert ctx.linear_layers == geom.linear_layers  # the GDN layers, by megatron-core's linear_attention_freq
+    assert ctx.linear_attention == geom.linear_attention()
 
 
 @pytest.mark.parametrize(
     ("arch", "match"),
-    [("qwen3_next", "Qwen3-Next is a Gated-DeltaNet"), ("qwen3_5", "Qwen3.5 is a hybrid"), ("gpt9", "unknown")],
+    [("qwen2_moe", "gated shared expert"), ("deepseek_v3", "multi-latent attention"), ("gpt9", "unknown")],
 )
 def test_unsupported_architectures_are_refused_by_name(arch, match):
     with pytest.raises(ConversionError, match=match):
@@ -566,6 +592,8 @@ def test_lora_on_experts_is_refused_by_name():
         ("qwen2", "llama", "use arch='qwen2'"),
         ("qwen3", "qwen2", "use arch='qwen3'"),
         ("qwen3_moe", "qwen3", "use arch='qwen3_moe'"),
+        ("qwen3_5", "qwen3", "use arch='qwen3_5'"),
+        ("qwen3_next", "qwen3_moe", "use arch='qwen3_next'"),
     ],
 )
 def test_a_tensor_the_architecture_would_drop_is_refused_by_name(model_arch, ctx_arch, match):
@@ -574,7 +602,16 @@ def test_a_tensor_the_architecture_would_drop_is_refused_by_name(model_arch, ctx
     geom = _arch_geom(model_arch)
     reference = make_reference(geom, lora_rank=6, lora_alpha=9.0, seed=5)
     named = dict(_source(_ctx(geom, kind="full"), reference, geom=geom)._local.values())
-    wrong = _ctx(dataclasses.replace(geom, arch=ctx_arch, num_experts=0, moe_ffn_hidden_size=0), kind="full")
+    moe = ctx_arch == "qwen3_moe"
+    wrong_geom = dataclasses.replace(
+        geom,
+        arch=ctx_arch,
+        num_experts=geom.num_experts if moe else 0,
+        moe_ffn_hidden_size=geom.moe_ffn_hidden_size if moe else 0,
+        shared_expert_size=0,
+        linear_freq=0,
+    )
+    wrong = _ctx(wrong_geom, kind="full")
     with pytest.raises(ConversionError, match=match):
         MegatronSource(module_from_named(named), wrong, ParallelGroups())
 
@@ -587,3 +624,132 @@ def test_context_checks_expert_geometry():
         _ctx(geom, kind="full", expert_tp_size=3)
     with pytest.raises(ConversionError, match="has no routed experts"):
         _ctx(GEOMETRIES["qwen3"], kind="full", num_experts=4)
+
+
+# -- Gated-DeltaNet hybrids (Qwen3.5) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gdn_layout_matches_per_shard_oracle(tp):
+    """megatron-core's GatedDeltaNet, spelled out: TP shard t of in_proj is [q_t; k_t; v_t; z_t; b_t; a_t]
+    (its forward splits the *local* output so), of conv1d [q_t; k_t; v_t]; HF has in_proj_qkv = [q; k; v],
+    in_proj_z/b/a and one conv1d over [q; k; v]; A_log / dt_bias are split by value heads."""
+    geom = _arch_geom("qwen3_5")
+    ctx = _ctx(geom, kind="full", tp=tp)
+    la, h = geom.linear_attention(), geom.hidden_size
+    q, k = torch.randn(la.qk_dim, h), torch.randn(la.qk_dim, h)
+    v, z = torch.randn(la.v_dim, h), torch.randn(la.v_dim, h)
+    b, a = torch.randn(la.num_value_heads, h), torch.randn(la.num_value_heads, h)
+    conv = torch.randn(la.conv_dim, 1, la.conv_kernel)
+    hf = {
+        "model.layers.0.linear_attn.in_proj_qkv.weight": torch.cat([q, k, v]),
+        "model.layers.0.linear_attn.in_proj_z.weight": z,
+        "model.layers.0.linear_attn.in_proj_b.weight": b,
+        "model.layers.0.linear_attn.in_proj_a.weight": a,
+        "model.layers.0.linear_attn.conv1d.weight": conv,
+    }
+    items = {it.slot: it for it in plan(ctx) if it.layer == 0}
+    in_proj = megatron_layout.to_megatron(items[Slot.GDN_IN_PROJ], hf, ctx)
+    conv1d = megatron_layout.to_megatron(items[Slot.GDN_CONV], hf, ctx)
+    cq, ck, cv = conv.split([la.qk_dim, la.qk_dim, la.v_dim])
+    for t in range(tp):
+        mine = megatron_layout.shard(in_proj, items[Slot.GDN_IN_PROJ].split, tp, t)
+        want = torch.cat([x.chunk(tp)[t] for x in (q, k, v, z, b, a)])
+        assert torch.equal(mine, want), t
+        mine_conv = megatron_layout.shard(conv1d, items[Slot.GDN_CONV].split, tp, t)
+        assert torch.equal(mine_conv, torch.cat([x.chunk(tp)[t] for x in (cq, ck, cv)])), t
+    assert items[Slot.GDN_A_LOG].split is Split.ROWS and items[Slot.GDN_DT_BIAS].split is Split.ROWS
+    assert items[Slot.GDN_NORM].split is Split.NONE
+
+
+def test_gated_attention_q_proj_matches_per_head_oracle():
+    """Megatron's gated linear_qkv groups [q heads; gate heads; k; v] per query group; HF's
+    q_proj holds [q_h; gate_h] per head (its forward chunks each head's 2 * head_dim rows)."""
+    geom = _arch_geom("qwen3_5")
+    ctx = _ctx(geom, kind="full", tp=2)
+    g, n, hd, h = geom.num_query_groups, geom.num_heads // geom.num_query_groups, geom.head_dim, geom.hidden_size
+    qkv = torch.randn(g * (2 * n + 2) * hd, h)
+    q_proj, k_proj, v_proj = split_qkv(qkv, ctx)
+    assert q_proj.shape == (g * n * 2 * hd, h)
+    for group in range(g):
+        block = qkv[group * (2 * n + 2) * hd : (group + 1) * (2 * n + 2) * hd]
+        for i in range(n):
+            head = q_proj[(group * n + i) * 2 * hd : (group * n + i + 1) * 2 * hd]
+            assert torch.equal(head[:hd], block[i * hd : (i + 1) * hd])  # the query
+            assert torch.equal(head[hd:], block[(n + i) * hd : (n + i + 1) * hd])  # its gate
+        assert torch.equal(k_proj[group * hd : (group + 1) * hd], block[2 * n * hd : (2 * n + 1) * hd])
+        assert torch.equal(v_proj[group * hd : (group + 1) * hd], block[(2 * n + 1) * hd :])
+    assert torch.equal(merge_qkv(q_proj, k_proj, v_proj, ctx), qkv)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_zero_centered_norms_shift_where_megatron_and_hf_disagree(zero_centered):
+    """HF Qwen3.5's layer norms are (1 + w), its GDN norm w; Megatron's are all (1 + w) exactly
+    when layernorm_zero_centered_gamma. The effective scale must survive the conversion."""
+    geom = _arch_geom("qwen3_5")
+    ctx = _ctx(geom, kind="full", zero_centered_gamma=zero_centered)
+    megatron_shift = 1.0 if zero_centered else 0.0
+    for item in plan(ctx):
+        if item.slot not in (Slot.INPUT_NORM, Slot.Q_NORM, Slot.FINAL_NORM, Slot.GDN_NORM):
+            continue
+        m = torch.full(item.shape, 0.75)
+        ((_, w),) = megatron_layout.convert(item, m, ctx)
+        hf_shift = 0.0 if item.slot is Slot.GDN_NORM else 1.0
+        assert torch.equal(w + hf_shift, m + megatron_shift), item.describe()
+
+
+def test_gdn_lora_on_in_proj_shares_lora_a_and_splits_lora_b_per_shard():
+    """LoRA on GDN in_proj: one lora_A for in_proj_qkv/z/b/a, lora_B split per TP shard like the weight."""
+    geom = _arch_geom("qwen3_5")
+    ctx = _ctx(geom, tp=2)
+    items = [it for it in plan(ctx) if it.slot is Slot.GDN_IN_PROJ]
+    assert {it.layer for it in items} == set(geom.linear_layers)
+    lora_a, lora_b = (next(it for it in items if it.role is r) for r in (Role.LORA_A, Role.LORA_B))
+    assert lora_a.split is Split.NONE and lora_b.split is Split.ROWS
+    assert [o.name.split(".")[-3] for o in lora_a.outputs] == ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+    a = torch.randn(lora_a.shape)
+    assert all(t is a for _, t in megatron_layout.convert(lora_a, a, ctx))
+    with pytest.raises(ConversionError, match="List all of"):
+        _ctx(geom, lora=LoraSpec(rank=4, alpha=8.0, target_modules=("in_proj_qkv", "in_proj_z")))
+    with pytest.raises(ConversionError, match="has no Gated-DeltaNet layers"):
+        _ctx(GEOMETRIES["qwen3"], kind="full", linear_layers=(0,))
+    with pytest.raises(ConversionError, match="must divide the Gated-DeltaNet heads"):
+        _ctx(geom, kind="full", tp=8, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=96 + 8)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_grouped_gdn_in_proj_is_what_hf_qwen3_next_ungroups(tp):
+    """Qwen3-Next: HF's own ``fix_query_key_value_ordering`` applied to the converted in_proj_qkvz /
+    in_proj_ba gives back, per output feature, exactly Megatron's q, k, v, z, b, a sections."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    geom = GEOMETRIES["qwen3_next"]
+    ctx = _ctx(geom, kind="full", tp=tp)
+    la, h = geom.linear_attention(), geom.hidden_size
+    q, k = torch.randn(la.qk_dim, h), torch.randn(la.qk_dim, h)
+    v, z = torch.randn(la.v_dim, h), torch.randn(la.v_dim, h)
+    b, a = torch.randn(la.num_value_heads, h), torch.randn(la.num_value_heads, h)
+    sections = [(q, k, v, z, b, a)[i].chunk(tp)[t] for t in range(tp) for i in range(6)]
+    megatron = torch.cat(sections)  # per TP shard [q_t; k_t; v_t; z_t; b_t; a_t]
+    item = next(it for it in plan(ctx) if it.slot is Slot.GDN_IN_PROJ)
+    converted = dict(megatron_layout.convert(item, megatron, ctx))
+    qkvz, ba = (converted[f"model.layers.0.linear_attn.{p}.weight"] for p in ("in_proj_qkvz", "in_proj_ba"))
+    gdn = Qwen3NextGatedDeltaNet(hf_config(geom), layer_idx=0)
+    got = gdn.fix_query_key_value_ordering(qkvz.t()[None], ba.t()[None])  # the "tokens" are the hidden dims
+    for name, hf_part, want in zip("qkvzba", got, (q, k, v, z, b, a), strict=True):
+        assert torch.equal(hf_part[0].reshape(h, -1).t(), want), name
+    assert torch.equal(megatron_layout.to_megatron(item, converted, ctx), megatron)
+
+
+def test_qwen3_next_lora_on_experts_is_refused_by_name():
+    """Qwen3-Next: LoRA on the shared expert's gate/up/down (as on routed experts) is refused, in the
+    LoraSpec and when an adapter is found on the shared expert's linear."""
+    geom = GEOMETRIES["qwen3_next"]
+    with pytest.raises(ConversionError, match="LoRA on routed or shared experts is refused"):
+        _ctx(geom, lora=LoraSpec(rank=4, alpha=8.0, target_modules=geom.targets + ("gate_proj", "up_proj")))
+    reference = make_reference(geom, lora_rank=6, lora_alpha=9.0, seed=5)
+    ctx = _ctx(geom)
+    named = dict(_source(ctx, reference, geom=geom)._local.values())
+    named["decoder.layers.0.mlp.shared_experts.linear_fc1.lora_A.weight"] = torch.zeros(6, geom.hidden_size)
+    with pytest.raises(ConversionError, match="LoRA on a shared expert"):
+        MegatronSource(module_from_named(named), ctx, ParallelGroups())

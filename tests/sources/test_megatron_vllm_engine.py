@@ -3,7 +3,13 @@
 The Qwen-family dense models run on vLLM's CPU backend in fp32 with LoRA (head size 32: its
 CPU attention has no kernel for smaller heads). Qwen3-MoE is not run here: with LoRA enabled
 (colosync's vLLM engine always enables it) vLLM's CPU MoE path calls Triton, which has no
-CPU backend. Each case starts one vLLM engine (~30 s on two cores), so the module is ``slow``.
+CPU backend. Qwen3.5 is not run: vLLM 0.32's ``qwen3_5`` module imports ``qwen3_vl``, which
+imports transformers' Qwen2-VL image processor, which needs torchvision (not installed here).
+Qwen3-Next is not run: vLLM's CPU GDN kernel needs bf16 (colosync's vLLM test engine is fp32) and
+its MoE path with LoRA enabled needs Triton; with LoRA off in bf16 it loads and generates, but a full
+update (even HF-named, without Megatron) fails closed in colosync's vLLM worker ("the engine changed
+25 parameters or layers where the manifest names 27"), as Qwen3-MoE's does. Each case starts one
+vLLM engine (~30 s on two cores), so the module is ``slow``.
 """
 
 from __future__ import annotations

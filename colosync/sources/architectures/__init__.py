@@ -19,17 +19,11 @@ _MODULES: tuple[str, ...] = (
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "qwen3_5",
+    "qwen3_next",
 )
 
 REFUSED: dict[str, str] = {
-    "qwen3_5": (
-        "Qwen3.5 is a hybrid of Gated-DeltaNet and gated full attention; megatron-core's GatedDeltaNet in_proj "
-        "(q,k,v,z,b,a) -> HF in_proj_qkv/in_proj_z/in_proj_b/in_proj_a (and LoRA on it) is not converted yet"
-    ),
-    "qwen3_next": (
-        "Qwen3-Next is a Gated-DeltaNet + gated-attention + MoE hybrid; its in_proj -> HF in_proj_qkvz/in_proj_ba "
-        "(head-grouped) and the gated q_proj are not converted yet"
-    ),
     "qwen2_moe": "Qwen2-MoE has a gated shared expert (shared_expert_gate), which is not converted yet",
     "deepseek_v3": "DeepSeek-V3 uses multi-latent attention (MLA), which is not converted",
 }

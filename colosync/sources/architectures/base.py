@@ -20,7 +20,17 @@ expert fc1 / fc2       rows / cols     --              --
 embedding, output      rows (vocab)    --              --
 norms, q/k norms       replicated      --              --
 router                 replicated      --              --
+GDN in_proj            rows (column)   replicated      rows
+GDN out_proj           cols (row)      cols            replicated
+GDN conv1d, A_log,     rows (channels  --              --
+dt_bias                / heads)
+GDN out_norm           replicated      --              --
 =====================  ==============  ==============  ==============
+
+Gated-DeltaNet (megatron-core ``GatedDeltaNet``, Qwen3.5's linear-attention layers) keeps
+each TP shard's rows as ``[q_t; k_t; v_t; z_t; b_t; a_t]`` in ``in_proj`` and its conv1d
+channels as ``[q_t; k_t; v_t]``; the HF side has separate ``in_proj_qkv`` (``[q; k; v]``),
+``in_proj_z``, ``in_proj_b``, ``in_proj_a`` and one ``conv1d`` over ``[q; k; v]``.
 """
 
 from __future__ import annotations
@@ -57,6 +67,17 @@ class Slot(enum.Enum):
     EXPERT_FC2 = "mlp.experts.linear_fc2"
     FINAL_NORM = "decoder.final_layernorm"
     OUTPUT = "output_layer"
+    # Gated-DeltaNet (linear attention) layers: megatron-core's GatedDeltaNet
+    GDN_IN_PROJ = "self_attention.in_proj"
+    GDN_CONV = "self_attention.conv1d"
+    GDN_A_LOG = "self_attention.A_log"
+    GDN_DT_BIAS = "self_attention.dt_bias"
+    GDN_NORM = "self_attention.out_norm"
+    GDN_OUT_PROJ = "self_attention.out_proj"
+    # a shared expert next to the routed ones (Qwen3-Next), with its sigmoid gate
+    SHARED_FC1 = "mlp.shared_experts.linear_fc1"
+    SHARED_FC2 = "mlp.shared_experts.linear_fc2"
+    SHARED_GATE = "mlp.shared_experts.gate_weight"
 
     @property
     def per_layer(self) -> bool:
@@ -66,6 +87,16 @@ class Slot(enum.Enum):
     def expert(self) -> bool:
         """Routed-expert slots: one parameter per local expert, stacked into one HF tensor."""
         return self in (Slot.EXPERT_FC1, Slot.EXPERT_FC2)
+
+    @property
+    def bare(self) -> bool:
+        """A module's own parameter (``A_log``, ``dt_bias``), not a submodule's ``.weight``."""
+        return self in (Slot.GDN_A_LOG, Slot.GDN_DT_BIAS, Slot.SHARED_GATE)
+
+    @property
+    def layer_norm(self) -> bool:
+        """A norm whose HF counterpart may be zero-centered (``(1 + w) * x``, Qwen3.5's)."""
+        return self in (Slot.INPUT_NORM, Slot.POST_NORM, Slot.FINAL_NORM, Slot.Q_NORM, Slot.K_NORM)
 
 
 class Role(enum.Enum):
@@ -93,6 +124,9 @@ class Split(enum.Enum):
 
 
 LORA_SLOTS: tuple[Slot, ...] = (Slot.QKV, Slot.PROJ, Slot.FC1, Slot.FC2)
+GDN_LORA_SLOTS: tuple[Slot, ...] = (Slot.GDN_IN_PROJ, Slot.GDN_OUT_PROJ)
+LINEAR_SLOTS: tuple[Slot, ...] = LORA_SLOTS + GDN_LORA_SLOTS + (Slot.SHARED_FC1, Slot.SHARED_FC2)
+"""Every Megatron linear the naming table knows (base weight and adapter halves)."""
 
 SPLITS: Mapping[tuple[Slot, Role], Split] = {
     (Slot.EMBEDDING, Role.WEIGHT): Split.ROWS,
@@ -120,6 +154,21 @@ SPLITS: Mapping[tuple[Slot, Role], Split] = {
     (Slot.FC2, Role.LORA_A): Split.COLS,
     (Slot.FC2, Role.LORA_B): Split.NONE,
     (Slot.EXPERT_FC2, Role.WEIGHT): Split.COLS,
+    # Gated-DeltaNet: in_proj column-parallel, out_proj row-parallel, conv1d/A_log/dt_bias per channel/head
+    (Slot.GDN_IN_PROJ, Role.WEIGHT): Split.ROWS,
+    (Slot.GDN_IN_PROJ, Role.LORA_A): Split.NONE,
+    (Slot.GDN_IN_PROJ, Role.LORA_B): Split.ROWS,
+    (Slot.GDN_OUT_PROJ, Role.WEIGHT): Split.COLS,
+    (Slot.GDN_OUT_PROJ, Role.LORA_A): Split.COLS,
+    (Slot.GDN_OUT_PROJ, Role.LORA_B): Split.NONE,
+    (Slot.GDN_CONV, Role.WEIGHT): Split.ROWS,
+    (Slot.GDN_A_LOG, Role.WEIGHT): Split.ROWS,
+    (Slot.GDN_DT_BIAS, Role.WEIGHT): Split.ROWS,
+    (Slot.GDN_NORM, Role.WEIGHT): Split.NONE,
+    # the shared expert is a dense MLP over the dense TP group; its gate is replicated
+    (Slot.SHARED_FC1, Role.WEIGHT): Split.ROWS,
+    (Slot.SHARED_FC2, Role.WEIGHT): Split.COLS,
+    (Slot.SHARED_GATE, Role.WEIGHT): Split.NONE,
 }
 """The tensor-parallel split of every (slot, role) the converter handles."""
 
@@ -128,10 +177,29 @@ HF_PARTS: Mapping[Slot, tuple[str, ...]] = {
     Slot.PROJ: ("o_proj",),
     Slot.FC1: ("gate_proj", "up_proj"),
     Slot.FC2: ("down_proj",),
+    Slot.GDN_IN_PROJ: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    Slot.GDN_OUT_PROJ: ("out_proj",),
+    Slot.SHARED_FC1: ("gate_proj", "up_proj"),
+    Slot.SHARED_FC2: ("down_proj",),
 }
-"""The HF linear modules each Megatron module becomes (fused modules become several)."""
+"""The HF linear modules each Megatron module becomes (fused modules become several).
 
-_HF_PARENT = {Slot.QKV: "self_attn", Slot.PROJ: "self_attn", Slot.FC1: "mlp", Slot.FC2: "mlp"}
+Qwen3-Next groups GDN's in_proj differently (:data:`GROUPED_GDN_PARTS`); ask
+:meth:`Architecture.parts` rather than this table."""
+
+GROUPED_GDN_PARTS: tuple[str, ...] = ("in_proj_qkvz", "in_proj_ba")
+"""Qwen3-Next's GDN in_proj: ``[q, k, v, z]`` and ``[b, a]`` grouped per key head."""
+
+_HF_PARENT = {
+    Slot.QKV: "self_attn",
+    Slot.PROJ: "self_attn",
+    Slot.FC1: "mlp",
+    Slot.FC2: "mlp",
+    Slot.GDN_IN_PROJ: "linear_attn",
+    Slot.GDN_OUT_PROJ: "linear_attn",
+    Slot.SHARED_FC1: "mlp.shared_expert",
+    Slot.SHARED_FC2: "mlp.shared_expert",
+}
 _HF_SINGLE = {
     Slot.EMBEDDING: "model.embed_tokens.weight",
     Slot.FINAL_NORM: "model.norm.weight",
@@ -143,6 +211,11 @@ _HF_SINGLE = {
     Slot.ROUTER: "model.layers.{layer}.mlp.gate.weight",
     Slot.EXPERT_FC1: "model.layers.{layer}.mlp.experts.gate_up_proj",
     Slot.EXPERT_FC2: "model.layers.{layer}.mlp.experts.down_proj",
+    Slot.GDN_CONV: "model.layers.{layer}.linear_attn.conv1d.weight",
+    Slot.GDN_A_LOG: "model.layers.{layer}.linear_attn.A_log",
+    Slot.GDN_DT_BIAS: "model.layers.{layer}.linear_attn.dt_bias",
+    Slot.GDN_NORM: "model.layers.{layer}.linear_attn.norm.weight",
+    Slot.SHARED_GATE: "model.layers.{layer}.mlp.shared_expert_gate.weight",
 }
 PEFT_PREFIX = "base_model.model."
 
@@ -174,13 +247,16 @@ _CONFIG_NEVER: Mapping[str, object] = {
     "experimental_attention_variant": None,
     "qk_l2_norm": False,
     "moe_latent_size": None,
+    "attention_output_gate": False,
+    "moe_shared_expert_gate": False,
 }
 _NEVER_WHY: Mapping[str, str] = {
     "experimental_attention_variant": (
-        "Gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next) and DSA are not converted yet: their GDN in_proj "
-        "(q,k,v,z,b,a per head group) has no converter here, so they are refused rather than sent wrong"
+        "Gated-DeltaNet hybrids convert with arch='qwen3_5' (dense MLP); Qwen3-Next (GDN + MoE) and DSA "
+        "are not converted yet, so they are refused rather than sent wrong"
     ),
     "multi_latent_attention": "MLA (DeepSeek-style attention) has no converter here",
+    "attention_output_gate": "a gated full attention (the gate rides in q_proj) is Qwen3.5's: use arch='qwen3_5'",
 }
 
 DENSE: Mapping[str, object] = {"add_qkv_bias": False, "qk_layernorm": False, "num_moe_experts": None}
@@ -211,6 +287,14 @@ class Architecture:
     LoRA may wrap, in HF-module terms through :data:`HF_PARTS`. ``refused_lora``: HF module
     names that exist but whose LoRA is refused, with the reason. ``hf_architecture``: the
     ``transformers`` class the converted tensors load into.
+
+    Hybrids: ``linear_layer_tensors`` (non-empty) are the tensors of a linear-attention
+    (Gated-DeltaNet) layer, which the context's ``linear_layers`` place; ``layer_tensors``
+    are then those of the full-attention layers. ``gated_attention``: the full attention's
+    ``linear_qkv`` carries an output gate per query head (HF: the second half of each head's
+    ``q_proj`` rows). ``hf_zero_centered_norms``: HF's layer norms compute ``(1 + w) * x``.
+    ``grouped_gdn``: HF's GDN in_proj is Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``
+    (grouped per key head) rather than Qwen3.5's four separate projections.
     """
 
     name: str
@@ -219,14 +303,33 @@ class Architecture:
     config: Mapping[str, object] = field(default_factory=dict)
     lora_slots: tuple[Slot, ...] = LORA_SLOTS
     refused_lora: Mapping[str, str] = field(default_factory=dict)
+    linear_layer_tensors: tuple[tuple[Slot, Role], ...] = ()
+    gated_attention: bool = False
+    hf_zero_centered_norms: bool = False
+    grouped_gdn: bool = False
+
+    def parts(self, slot: Slot) -> tuple[str, ...]:
+        """The HF linear modules Megatron's ``slot`` becomes in this architecture."""
+        if slot is Slot.GDN_IN_PROJ and self.grouped_gdn:
+            return GROUPED_GDN_PARTS
+        return HF_PARTS[slot]
 
     @property
     def moe(self) -> bool:
-        return any(slot.expert for slot, _ in self.layer_tensors)
+        return any(slot.expert for slot, _ in self.layer_tensors + self.linear_layer_tensors)
+
+    @property
+    def hybrid(self) -> bool:
+        """Has linear-attention (Gated-DeltaNet) layers."""
+        return bool(self.linear_layer_tensors)
+
+    def tensors_of_layer(self, linear: bool) -> tuple[tuple[Slot, Role], ...]:
+        """The base tensors of a linear-attention layer (``linear``) or of a full-attention one."""
+        return self.linear_layer_tensors if linear else self.layer_tensors
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return tuple(p for s in self.lora_slots for p in HF_PARTS[s])
+        return tuple(p for s in self.lora_slots for p in self.parts(s))
 
     def check_config(self, config: TransformerConfig) -> None:
         """Refuse, by name, every ``TransformerConfig`` flag this architecture does not convert."""
@@ -261,7 +364,10 @@ __all__ = [
     "Architecture",
     "ConversionError",
     "DENSE",
+    "GDN_LORA_SLOTS",
+    "GROUPED_GDN_PARTS",
     "HF_PARTS",
+    "LINEAR_SLOTS",
     "Kind",
     "LORA_SLOTS",
     "PEFT_PREFIX",

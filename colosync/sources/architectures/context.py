@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from colosync.errors import ConversionError
-from colosync.sources.architectures.base import HF_PARTS, Architecture, Kind, Role, Slot, get_architecture
+from colosync.sources.architectures.base import Architecture, Kind, Role, Slot, get_architecture
 from colosync.sources.architectures.naming import DEFAULT_NAMING, NamingRule
 from colosync.wire.manifest import LoraSpec
 
@@ -40,6 +40,80 @@ class DtypePolicy:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The Gated-DeltaNet geometry of a hybrid model (megatron-core's ``linear_*`` config fields).
+
+    ``num_key_heads`` query/key heads of ``key_head_dim``, ``num_value_heads`` value (and gate)
+    heads of ``value_head_dim``; ``conv_kernel`` the causal conv1d's width.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for attr in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            if getattr(self, attr) <= 0:
+                raise ConversionError(f"LinearAttention.{attr} must be > 0, got {getattr(self, attr)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConversionError(
+                f"LinearAttention.num_value_heads={self.num_value_heads} must be a multiple of "
+                f"num_key_heads={self.num_key_heads}"
+            )
+
+    @property
+    def qk_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv1d: ``[q; k; v]``."""
+        return 2 * self.qk_dim + self.v_dim
+
+    @property
+    def in_proj_dim(self) -> int:
+        """Rows of Megatron's fused ``in_proj``: q, k, v, z (gate), b (beta), a (alpha)."""
+        return 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
+
+    @classmethod
+    def from_megatron(cls, config: TransformerConfig) -> LinearAttention:
+        return cls(
+            num_key_heads=int(config.linear_num_key_heads),
+            num_value_heads=int(config.linear_num_value_heads),
+            key_head_dim=int(config.linear_key_head_dim),
+            value_head_dim=int(config.linear_value_head_dim),
+            conv_kernel=int(config.linear_conv_kernel_dim),
+        )
+
+
+def linear_attention_layers(config: TransformerConfig) -> tuple[int, ...]:
+    """The global indices of the Gated-DeltaNet layers, as megatron-core places them.
+
+    ``linear_attention_freq`` N: every N-th layer (1-based) is full attention, the rest GDN;
+    a list: 1 marks a GDN layer (megatron-core's ``get_linear_attention_pattern``).
+    """
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+        return ()
+    freq = config.linear_attention_freq
+    n = int(config.num_layers)
+    if isinstance(freq, int):
+        pattern = [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
+    elif isinstance(freq, list | tuple) and len(freq) == n:
+        pattern = [int(v) for v in freq]
+    else:
+        raise ConversionError(
+            f"TransformerConfig.linear_attention_freq={freq!r}: give an int or a list of {n} 0/1 flags"
+        )
+    return tuple(i for i, v in enumerate(pattern) if v == 1)
+
+
+@dataclass(frozen=True)
 class ConversionContext:
     """Everything the Megatron -> HF/PEFT conversion needs, in one immutable object.
 
@@ -49,7 +123,10 @@ class ConversionContext:
     ``tp_size``/``pp_size``/``stage_layers`` describe how Megatron placed it, ``ep_size`` and
     ``expert_tp_size`` (default: ``tp_size``) how it placed the experts; ``kind`` says
     whether an update carries the LoRA adapter (``lora`` is then required) or the base
-    weights; ``dtypes`` is the wire dtype policy; ``naming`` is the naming table. Build it
+    weights; ``dtypes`` is the wire dtype policy; ``naming`` is the naming table. A hybrid
+    (Qwen3.5, Qwen3-Next) lists its Gated-DeltaNet layers in ``linear_layers`` and their
+    geometry in ``linear_attention``; ``zero_centered_gamma`` says Megatron's norms compute
+    ``(1 + w) * x``; ``shared_expert_size`` is an MoE layer's shared expert (Qwen3-Next). Build it
     with :meth:`from_megatron` from a ``TransformerConfig`` to avoid transcription errors.
     """
 
@@ -74,6 +151,10 @@ class ConversionContext:
     moe_ffn_hidden_size: int = 0
     ep_size: int = 1
     expert_tp_size: int = 0  # 0: the same as tp_size
+    linear_layers: tuple[int, ...] = ()  # global indices of the Gated-DeltaNet layers of a hybrid
+    linear_attention: LinearAttention | None = None
+    zero_centered_gamma: bool = False  # Megatron's norms compute (1 + w) * x (layernorm_zero_centered_gamma)
+    shared_expert_size: int = 0  # intermediate size of an MoE layer's shared expert (Qwen3-Next)
 
     def __post_init__(self) -> None:
         for attr in (
@@ -125,6 +206,7 @@ class ConversionContext:
                 f"multiple of tp_size={tp}; pass Megatron's padded vocabulary size"
             )
         self._check_experts(architecture)
+        self._check_linear(architecture)
         if self.kind not in ("lora", "full"):
             raise ConversionError(f"kind must be 'lora' or 'full', got {self.kind!r}")
         if self.kind == "lora":
@@ -153,10 +235,43 @@ class ConversionContext:
                 f"architecture {self.arch!r} routes to experts: num_experts and moe_ffn_hidden_size must be > 0, "
                 f"got {e} and {f}"
             )
+        shared = any(slot is Slot.SHARED_FC1 for slot, _ in architecture.layer_tensors)
+        if shared and (self.shared_expert_size <= 0 or self.shared_expert_size % self.tp_size):
+            raise ConversionError(
+                f"architecture {self.arch!r} has a shared expert: shared_expert_size must be > 0 and a multiple of "
+                f"tp_size={self.tp_size}, got {self.shared_expert_size}"
+            )
         if e % ep:
             raise ConversionError(f"ep_size={ep} must divide num_experts={e} (each EP rank holds whole experts)")
         if f % etp:
             raise ConversionError(f"expert_tp_size={etp} must divide moe_ffn_hidden_size={f}")
+
+    def _check_linear(self, architecture: Architecture) -> None:
+        if not architecture.hybrid:
+            if self.linear_layers or self.linear_attention is not None:
+                raise ConversionError(
+                    f"architecture {self.arch!r} has no Gated-DeltaNet layers but the context lists linear_layers="
+                    f"{list(self.linear_layers)}; use a hybrid architecture (e.g. 'qwen3_5')"
+                )
+            return
+        if sorted(set(self.linear_layers)) != list(self.linear_layers) or any(
+            not 0 <= n < self.num_layers for n in self.linear_layers
+        ):
+            raise ConversionError(
+                f"linear_layers={list(self.linear_layers)} must be distinct increasing layer indices below "
+                f"num_layers={self.num_layers}"
+            )
+        la = self.linear_attention
+        if self.linear_layers and la is None:
+            raise ConversionError(
+                f"architecture {self.arch!r} has Gated-DeltaNet layers {list(self.linear_layers)}: pass their "
+                "LinearAttention geometry (ConversionContext.from_megatron reads it from the config)"
+            )
+        if la is not None and (la.num_key_heads % self.tp_size or la.num_value_heads % self.tp_size):
+            raise ConversionError(
+                f"tp_size={self.tp_size} must divide the Gated-DeltaNet heads (num_key_heads={la.num_key_heads}, "
+                f"num_value_heads={la.num_value_heads}): each rank holds whole heads"
+            )
 
     @staticmethod
     def _check_targets(lora: LoraSpec, architecture: Architecture) -> None:
@@ -174,7 +289,7 @@ class ConversionContext:
                 f"the converter knows {sorted(known)}"
             )
         for slot in architecture.lora_slots:
-            parts = HF_PARTS[slot]
+            parts = architecture.parts(slot)
             have = [p for p in parts if p in lora.target_modules]
             if have and len(have) != len(parts):
                 raise ConversionError(
@@ -216,7 +331,34 @@ class ConversionContext:
         """The Megatron modules that carry the adapter (empty for a full update)."""
         if self.lora is None:
             return ()
-        return tuple(s for s in self.architecture.lora_slots if HF_PARTS[s][0] in self.lora.target_modules)
+        arch = self.architecture
+        return tuple(s for s in arch.lora_slots if arch.parts(s)[0] in self.lora.target_modules)
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer ``layer`` (global) is a Gated-DeltaNet layer of a hybrid."""
+        return layer in self.linear_layers
+
+    def layer_tensors(self, layer: int) -> tuple[tuple[Slot, Role], ...]:
+        """The (slot, role) of every base tensor of global layer ``layer``, in stream order."""
+        return self.architecture.tensors_of_layer(self.is_linear(layer))
+
+    def layer_lora_slots(self, layer: int) -> tuple[Slot, ...]:
+        """The adapter-carrying modules that layer ``layer`` has (a hybrid's layers differ)."""
+        present = {slot for slot, role in self.layer_tensors(layer) if role is Role.WEIGHT}
+        return tuple(s for s in self.lora_slots if s in present)
+
+    def norm_offset(self, slot: Slot) -> float:
+        """What to add to a Megatron norm weight to get HF's: both sides may be zero-centered.
+
+        Megatron computes ``(1 + w) * x`` when ``zero_centered_gamma``; HF's layer norms do
+        when the architecture says so (Qwen3.5's), its Gated-DeltaNet norm never does.
+        """
+        megatron = 1.0 if self.zero_centered_gamma else 0.0
+        if slot.layer_norm:
+            return megatron - (1.0 if self.architecture.hf_zero_centered_norms else 0.0)
+        if slot is Slot.GDN_NORM:
+            return megatron
+        return 0.0
 
     @classmethod
     def from_megatron(
@@ -258,6 +400,7 @@ class ConversionContext:
         experts = int(getattr(config, "num_moe_experts", None) or 0)
         moe_ffn = getattr(config, "moe_ffn_hidden_size", None) or (config.ffn_hidden_size if experts else 0)
         expert_tp = int(getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size)
+        linear_layers = linear_attention_layers(config)
         return cls(
             num_layers=int(config.num_layers),
             hidden_size=int(config.hidden_size),
@@ -280,7 +423,11 @@ class ConversionContext:
             moe_ffn_hidden_size=int(moe_ffn),
             ep_size=int(getattr(config, "expert_model_parallel_size", 1) or 1) if experts else 1,
             expert_tp_size=expert_tp if experts else 0,
+            linear_layers=linear_layers,
+            linear_attention=LinearAttention.from_megatron(config) if linear_layers else None,
+            zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+            shared_expert_size=int(getattr(config, "moe_shared_expert_intermediate_size", None) or 0) if experts else 0,
         )
 
 
-__all__ = ["ConversionContext", "DtypePolicy"]
+__all__ = ["ConversionContext", "DtypePolicy", "LinearAttention", "linear_attention_layers"]

@@ -11,8 +11,11 @@
 * **How layouts convert.** ``linear_qkv`` rows (and its bias) are interleaved per query
   group (that group's query heads, one key head, one value head); ``linear_fc1`` holds
   ``[gate; up]`` *per tensor-parallel shard* (per expert-TP shard for experts); embedding
-  and output rows are padded to a multiple of the TP size. :func:`convert` undoes all of
-  that on a gathered tensor; :func:`to_megatron` is the exact inverse.
+  and output rows are padded to a multiple of the TP size; a gated attention's groups also
+  carry their query heads' gates; Gated-DeltaNet's ``in_proj`` and ``conv1d`` hold their
+  sections (q, k, v, z, b, a) per TP shard; zero-centered norms are shifted by one where
+  Megatron and HF disagree. :func:`convert` undoes all of that on a gathered tensor;
+  :func:`to_megatron` is the exact inverse.
 
 No process groups, no I/O.
 """
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from colosync.errors import ConversionError
-from colosync.sources.architectures.base import _HF_SINGLE, HF_PARTS, PEFT_PREFIX, SPLITS, Role, Slot, Split, hf_module
-from colosync.sources.architectures.context import ConversionContext
+from colosync.sources.architectures.base import _HF_SINGLE, PEFT_PREFIX, SPLITS, Role, Slot, Split, hf_module
+from colosync.sources.architectures.context import ConversionContext, LinearAttention
 from colosync.sources.architectures.naming import ParamKey
 
 # -- the plan -------------------------------------------------------------------------------
@@ -89,9 +92,28 @@ class ConversionItem:
         return f"{where}{self.slot.value}.{self.role.value} {list(self.shape)}"
 
 
+def _gdn(ctx: ConversionContext) -> LinearAttention:
+    if ctx.linear_attention is None:
+        raise ConversionError("a Gated-DeltaNet tensor was planned but the context has no LinearAttention geometry")
+    return ctx.linear_attention
+
+
+def _q_rows(ctx: ConversionContext) -> int:
+    """Rows of HF's q_proj: the queries, and with a gated attention each head's gate after it."""
+    return ctx.num_attention_heads * ctx.head_dim * (2 if ctx.architecture.gated_attention else 1)
+
+
 def _linear_dims(slot: Slot, ctx: ConversionContext) -> tuple[int, int]:
     h, hd = ctx.hidden_size, ctx.head_dim
-    qkv = (ctx.num_attention_heads + 2 * ctx.num_query_groups) * hd
+    if slot is Slot.GDN_IN_PROJ:
+        return (_gdn(ctx).in_proj_dim, h)
+    if slot is Slot.GDN_OUT_PROJ:
+        return (h, _gdn(ctx).v_dim)
+    if slot is Slot.SHARED_FC1:
+        return (2 * ctx.shared_expert_size, h)
+    if slot is Slot.SHARED_FC2:
+        return (h, ctx.shared_expert_size)
+    qkv = _q_rows(ctx) + 2 * ctx.num_query_groups * hd
     return {  # (out, in) of each linear
         Slot.QKV: (qkv, h),
         Slot.PROJ: (h, ctx.num_attention_heads * hd),
@@ -111,6 +133,14 @@ def _megatron_shape(slot: Slot, role: Role, ctx: ConversionContext) -> tuple[int
         return (ctx.hidden_size,)
     if slot in (Slot.Q_NORM, Slot.K_NORM):
         return (ctx.head_dim,)
+    if slot is Slot.GDN_CONV:
+        return (_gdn(ctx).conv_dim, 1, _gdn(ctx).conv_kernel)
+    if slot in (Slot.GDN_A_LOG, Slot.GDN_DT_BIAS):
+        return (_gdn(ctx).num_value_heads,)
+    if slot is Slot.GDN_NORM:
+        return (_gdn(ctx).value_head_dim,)
+    if slot is Slot.SHARED_GATE:
+        return (1, ctx.hidden_size)
     out_f, in_f = _linear_dims(slot, ctx)
     if slot.expert:
         return (ctx.num_experts, out_f, in_f)
@@ -122,25 +152,36 @@ def _hf_outputs(slot: Slot, role: Role, layer: int | None, ctx: ConversionContex
     if slot in _HF_SINGLE:
         if slot in (Slot.EMBEDDING, Slot.OUTPUT):
             shape: tuple[int, ...] = (ctx.vocab_size, h)
-        elif slot.expert or slot is Slot.ROUTER or slot in (Slot.Q_NORM, Slot.K_NORM):
-            shape = _megatron_shape(slot, role, ctx)
-        else:
+        elif slot in (Slot.INPUT_NORM, Slot.POST_NORM, Slot.FINAL_NORM):
             shape = (h,)
+        else:
+            shape = _megatron_shape(slot, role, ctx)
         return (HFTensor(_HF_SINGLE[slot].format(layer=layer), shape),)
     if layer is None:
         raise ConversionError(f"{slot} is a per-layer slot but no layer index was given")
     out_dims = {
-        "q_proj": ctx.num_attention_heads * hd,
+        "q_proj": _q_rows(ctx),
         "k_proj": ctx.num_query_groups * hd,
         "v_proj": ctx.num_query_groups * hd,
         "o_proj": h,
         "gate_proj": ctx.ffn_hidden_size,
         "up_proj": ctx.ffn_hidden_size,
         "down_proj": h,
+        "out_proj": h,
     }
     in_dims = {"o_proj": ctx.num_attention_heads * hd, "down_proj": ctx.ffn_hidden_size}
+    if slot in (Slot.GDN_IN_PROJ, Slot.GDN_OUT_PROJ):
+        la = _gdn(ctx)
+        out_dims.update(
+            in_proj_qkv=la.conv_dim, in_proj_z=la.v_dim, in_proj_b=la.num_value_heads, in_proj_a=la.num_value_heads
+        )
+        in_dims["out_proj"] = la.v_dim
+        out_dims.update(in_proj_qkvz=2 * la.qk_dim + 2 * la.v_dim, in_proj_ba=2 * la.num_value_heads)
+    if slot in (Slot.SHARED_FC1, Slot.SHARED_FC2):
+        out_dims.update(gate_proj=ctx.shared_expert_size, up_proj=ctx.shared_expert_size)
+        in_dims["down_proj"] = ctx.shared_expert_size
     outputs = []
-    for part in HF_PARTS[slot]:
+    for part in ctx.architecture.parts(slot):
         module = hf_module(slot, layer, part)
         out_f, in_f = out_dims[part], in_dims.get(part, h)
         if role is Role.WEIGHT:
@@ -161,13 +202,13 @@ def plan(ctx: ConversionContext) -> tuple[ConversionItem, ...]:
     if ctx.kind == "full":
         entries.append((Slot.EMBEDDING, Role.WEIGHT, None))
         for n in range(ctx.num_layers):
-            entries += [(slot, role, n) for slot, role in ctx.architecture.layer_tensors]
+            entries += [(slot, role, n) for slot, role in ctx.layer_tensors(n)]
         entries.append((Slot.FINAL_NORM, Role.WEIGHT, None))
         if not ctx.tie_word_embeddings:
             entries.append((Slot.OUTPUT, Role.WEIGHT, None))
     else:
         for n in range(ctx.num_layers):
-            for slot in ctx.lora_slots:
+            for slot in ctx.layer_lora_slots(n):
                 entries += [(slot, Role.LORA_A, n), (slot, Role.LORA_B, n)]
     last = ctx.pp_size - 1
     items = []
@@ -210,13 +251,22 @@ def split_qkv(qkv: torch.Tensor, ctx: ConversionContext) -> tuple[torch.Tensor, 
     concatenated and every group is still intact: de-interleaving per group is
     de-interleaving per shard. Works for any trailing dims (``hidden``, the LoRA rank, or
     none for the bias).
+
+    A gated attention (``attention_output_gate``, Qwen3.5) groups ``[q_0 .. q_{n-1},
+    gate_0 .. gate_{n-1}, k, v]``; HF's ``q_proj`` then holds ``[q_h; gate_h]`` per head, which
+    is what the first tensor returned is.
     """
     n, g, hd = ctx.heads_per_group, ctx.num_query_groups, ctx.head_dim
     rest = qkv.shape[1:]
-    grouped = qkv.view(g, n + 2, hd, *rest)
-    q = grouped[:, :n].reshape(g * n * hd, *rest)
-    k = grouped[:, n].reshape(g * hd, *rest)
-    v = grouped[:, n + 1].reshape(g * hd, *rest)
+    gated = ctx.architecture.gated_attention
+    grouped = qkv.view(g, (2 * n if gated else n) + 2, hd, *rest)
+    if gated:
+        q = torch.stack([grouped[:, :n], grouped[:, n : 2 * n]], dim=2).reshape(g * n * 2 * hd, *rest)
+    else:
+        q = grouped[:, :n].reshape(g * n * hd, *rest)
+    m = grouped.shape[1] - 2
+    k = grouped[:, m].reshape(g * hd, *rest)
+    v = grouped[:, m + 1].reshape(g * hd, *rest)
     return q, k, v
 
 
@@ -224,8 +274,77 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Conversion
     """Inverse of :func:`split_qkv`."""
     n, g, hd = ctx.heads_per_group, ctx.num_query_groups, ctx.head_dim
     rest = q.shape[1:]
-    grouped = torch.cat([q.view(g, n, hd, *rest), k.view(g, 1, hd, *rest), v.view(g, 1, hd, *rest)], dim=1)
-    return grouped.reshape(g * (n + 2) * hd, *rest)
+    if ctx.architecture.gated_attention:
+        heads = q.view(g, n, 2, hd, *rest)
+        queries = torch.cat([heads[:, :, 0], heads[:, :, 1]], dim=1)  # (g, 2n, hd): queries, then gates
+    else:
+        queries = q.view(g, n, hd, *rest)
+    grouped = torch.cat([queries, k.view(g, 1, hd, *rest), v.view(g, 1, hd, *rest)], dim=1)
+    return grouped.reshape(-1, *rest)
+
+
+def _gdn_sections(ctx: ConversionContext, slot: Slot) -> tuple[int, ...]:
+    """One TP shard's row sections of GDN ``in_proj`` (q, k, v, z, b, a) or ``conv1d`` (q, k, v)."""
+    la, tp = _gdn(ctx), ctx.tp_size
+    qkv = (la.qk_dim // tp, la.qk_dim // tp, la.v_dim // tp)
+    if slot is Slot.GDN_CONV:
+        return qkv
+    return (*qkv, la.v_dim // tp, la.num_value_heads // tp, la.num_value_heads // tp)
+
+
+def _split_per_shard(full: torch.Tensor, tp: int, sections: tuple[int, ...]) -> list[torch.Tensor]:
+    """Rows ``[s0_t; s1_t; ...]`` per TP shard ``t`` -> ``[s0 (all shards); s1; ...]``."""
+    rest = full.shape[1:]
+    shards = full.view(tp, sum(sections), *rest)
+    return [part.reshape(tp * part.shape[1], *rest) for part in shards.split(list(sections), dim=1)]
+
+
+def _merge_per_shard(parts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    rest = parts[0].shape[1:]
+    return torch.cat([p.view(tp, p.shape[0] // tp, *rest) for p in parts], dim=1).reshape(-1, *rest)
+
+
+def split_gdn(full: torch.Tensor, slot: Slot, ctx: ConversionContext) -> tuple[torch.Tensor, ...]:
+    """A gathered GDN ``in_proj`` weight / ``lora_B`` -> HF ``in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a``; a gathered ``conv1d`` weight -> HF's one ``conv1d`` over ``[q; k; v]``.
+
+    megatron-core's ``GatedDeltaNet`` splits its *local* ``in_proj`` output into
+    ``q, k, v, z, b, a`` (and its local conv channels into ``q, k, v``), so every TP shard
+    holds those sections of its own heads, one after the other.
+    """
+    q, k, v, *zba = _split_per_shard(full, ctx.tp_size, _gdn_sections(ctx, slot))
+    if slot is Slot.GDN_IN_PROJ and ctx.architecture.grouped_gdn:
+        return _group_per_key_head([q, k, v, *zba], ctx)
+    return (torch.cat([q, k, v]), *zba)
+
+
+def merge_gdn(parts: list[torch.Tensor], slot: Slot, ctx: ConversionContext) -> torch.Tensor:
+    """Inverse of :func:`split_gdn`."""
+    la = _gdn(ctx)
+    if slot is Slot.GDN_IN_PROJ and ctx.architecture.grouped_gdn:
+        return _merge_per_shard(_ungroup_per_key_head(parts[0], parts[1], ctx), ctx.tp_size)
+    q, k, v = parts[0].split([la.qk_dim, la.qk_dim, la.v_dim])
+    return _merge_per_shard([q, k, v, *parts[1:]], ctx.tp_size)
+
+
+def _group_per_key_head(sections: list[torch.Tensor], ctx: ConversionContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` from the q, k, v, z, b, a sections: per key
+    head ``[q; k; v; z]`` and ``[b; a]``, the ``r = value heads / key heads`` value heads of that
+    key head together."""
+    q, k, v, z, b, a = sections
+    rest, hk = q.shape[1:], _gdn(ctx).num_key_heads
+    qkvz = torch.cat([x.reshape(hk, -1, *rest) for x in (q, k, v, z)], dim=1).reshape(-1, *rest)
+    ba = torch.cat([x.reshape(hk, -1, *rest) for x in (b, a)], dim=1).reshape(-1, *rest)
+    return qkvz, ba
+
+
+def _ungroup_per_key_head(qkvz: torch.Tensor, ba: torch.Tensor, ctx: ConversionContext) -> list[torch.Tensor]:
+    la, rest = _gdn(ctx), qkvz.shape[1:]
+    hk, r = la.num_key_heads, la.num_value_heads // la.num_key_heads
+    dk, dv = la.key_head_dim, la.value_head_dim
+    grouped = qkvz.reshape(hk, -1, *rest).split([dk, dk, r * dv, r * dv], dim=1)
+    pairs = ba.reshape(hk, -1, *rest).split([r, r], dim=1)
+    return [x.reshape(-1, *rest) for x in (*grouped, *pairs)]
 
 
 def split_fc1(fc1: torch.Tensor, ctx: ConversionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,8 +405,14 @@ def convert(item: ConversionItem, full: torch.Tensor, ctx: ConversionContext) ->
         parts = split_qkv(full, ctx)
     elif item.slot is Slot.FC1:
         parts = split_fc1(full, ctx)
+    elif item.slot is Slot.SHARED_FC1:
+        parts = _split_glu(full, ctx.tp_size, ctx.shared_expert_size)
     elif item.slot is Slot.EXPERT_FC1:
         parts = (experts_to_hf(full, ctx),)
+    elif item.slot in (Slot.GDN_IN_PROJ, Slot.GDN_CONV):
+        parts = split_gdn(full, item.slot, ctx)
+    elif offset := ctx.norm_offset(item.slot):
+        parts = (full + offset,)
     else:
         parts = (full,)
     return list(zip(names, parts, strict=True))
@@ -319,8 +444,15 @@ def to_megatron(
     if item.slot is Slot.FC1:
         gate, up = parts
         return merge_fc1(gate, up, ctx)
+    if item.slot is Slot.SHARED_FC1:
+        gate, up = parts
+        return _merge_glu(gate, up, ctx.tp_size, ctx.shared_expert_size)
     if item.slot is Slot.EXPERT_FC1:
         return experts_from_hf(parts[0], ctx)
+    if item.slot in (Slot.GDN_IN_PROJ, Slot.GDN_CONV):
+        return merge_gdn(parts, item.slot, ctx)
+    if offset := ctx.norm_offset(item.slot):
+        return parts[0] - offset
     return parts[0]
 
 
@@ -357,10 +489,12 @@ __all__ = [
     "hf_specs",
     "local_params",
     "merge_fc1",
+    "merge_gdn",
     "merge_qkv",
     "plan",
     "shard",
     "split_fc1",
+    "split_gdn",
     "split_qkv",
     "to_megatron",
 ]

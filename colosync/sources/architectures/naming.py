@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from colosync.errors import ConversionError
-from colosync.sources.architectures.base import LORA_SLOTS, Role, Slot
+from colosync.sources.architectures.base import LINEAR_SLOTS, Role, Slot
 
 # -- naming table ---------------------------------------------------------------------------
 
@@ -85,8 +85,15 @@ def _default_naming() -> tuple[NamingRule, ...]:
             _LAYER + r"self_attention\.linear_qkv\." + _WRAP + r"layer_norm_weight", Slot.INPUT_NORM, Role.WEIGHT
         ),
         NamingRule(_LAYER + r"mlp\.linear_fc1\." + _WRAP + r"layer_norm_weight", Slot.POST_NORM, Role.WEIGHT),
+        NamingRule(_LAYER + r"self_attention\.in_proj\." + _WRAP + r"layer_norm_weight", Slot.INPUT_NORM, Role.WEIGHT),
+        # Gated-DeltaNet's own parameters and its output norm
+        NamingRule(_LAYER + r"self_attention\.conv1d\.weight", Slot.GDN_CONV, Role.WEIGHT),
+        NamingRule(_LAYER + r"self_attention\.A_log", Slot.GDN_A_LOG, Role.WEIGHT),
+        NamingRule(_LAYER + r"self_attention\.dt_bias", Slot.GDN_DT_BIAS, Role.WEIGHT),
+        NamingRule(_LAYER + r"self_attention\.out_norm\.weight", Slot.GDN_NORM, Role.WEIGHT),
+        NamingRule(_LAYER + r"mlp\.shared_experts\.gate_weight", Slot.SHARED_GATE, Role.WEIGHT),
     ]
-    for slot in LORA_SLOTS:
+    for slot in LINEAR_SLOTS:
         module = _LAYER + re.escape(slot.value) + r"\."
         rules += [NamingRule(module + suffix, slot, Role.WEIGHT) for suffix in BASE_SUFFIXES]
         for _, a, b in ADAPTER_SUFFIXES:
