@@ -25,8 +25,8 @@ if __name__ == "__main__":
     load_trainer()  # warm up once: a first optimizer step imports modules, memory the executor would count
     engine_model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)]).to(device)
     kv_cache = [torch.zeros(4 * MiB, device=device)]
-    # One pool for both sides, in chunks sized to the job (the default 1 GiB suits real models).
-    pool = HostPool(chunk_bytes=4 * MiB, pin="auto" if device == "cuda" else "none")
+    # One pool for both sides; its chunks are sized from the first copy (1/32 of it, 2 MiB to 1 GiB).
+    pool = HostPool(pin="auto" if device == "cuda" else "none")
     trainer = TorchTrainerMemory(loader=load_trainer, pool=pool, device=device)
     engine = TorchEngineMemory(engine_model, kv_cache, pool=pool, device=device)
     plan = build_plan(peak_device="gpu")  # the order that keeps one host copy at a time

@@ -40,7 +40,7 @@ from multiprocessing import resource_tracker
 import torch
 
 from colosync.errors import ConfigError, HostPoolExhausted, StashError
-from colosync.handoff.backends.host_pool import GiB, HostLease, HostPool, PinMode
+from colosync.handoff.backends.host_pool import GiB, HostLease, HostPool, PinMode, chunk_bytes_for
 from colosync.handoff.model.ops import Region
 from colosync.handoff.model.plans import Plan
 from colosync.handoff.model.simulator import arena_bytes
@@ -166,13 +166,16 @@ class HostArena:
         plan: Plan,
         sizes: Mapping[Region, int],
         *,
-        chunk_bytes: int = GiB,
+        chunk_bytes: int | None = None,
         pin: PinMode = "auto",
         slack_bytes: int = 4 << 20,
     ) -> HostArena:
         """An arena just large enough for the host copies ``plan`` ever holds at once with
         these region ``sizes`` (``gpu`` mode: the larger copy; ``cpu`` mode: both), each copy
-        rounded up to whole chunks after ``slack_bytes`` for its tensors' alignment."""
+        rounded up to whole chunks after ``slack_bytes`` for its tensors' alignment. Chunks
+        default to ``chunk_bytes_for`` the largest region (at most ~3% rounding per copy)."""
+        if chunk_bytes is None:
+            chunk_bytes = chunk_bytes_for(max(sizes.values(), default=0))
         need = arena_bytes(plan, sizes, chunk_bytes=chunk_bytes, slack_bytes=slack_bytes)
         if need == 0:
             raise ConfigError("this plan holds no host copy with these sizes: it needs no arena")

@@ -8,9 +8,12 @@ the same time, so one pool sized for the larger of the two can serve both: the m
 literally takes the place the trainer's backup just vacated, and the host never holds more
 than one large copy (plus one chunk of rounding).
 
-Memory is handed out as ``HostLease``s of whole chunks (default 1 GiB). A lease behaves like
-one flat byte range; ``write``/``read`` split a copy at chunk boundaries, so a copy of many
-tensors laid out back to back becomes a few chunk-sized DMA transfers.
+Memory is handed out as ``HostLease``s of whole chunks. A lease behaves like one flat byte
+range; ``write``/``read`` split a copy at chunk boundaries, so a copy of many tensors laid out
+back to back becomes a few chunk-sized DMA transfers. By default
+(``chunk_bytes="auto"``) the chunk size follows the job: the first ``reserve`` or lease picks
+``chunk_bytes_for`` its size (1/32 of it, between 2 MiB and 1 GiB), so rounding never costs
+more than ~3% of the copy, whether the copy is a 40 GB optimizer state or a 50 MB test model.
 
 Pinning modes: ``register`` (default with CUDA) allocates ordinary memory, touches it with a
 parallel fill and page-locks it with ``cudaHostRegister`` (much faster than
@@ -36,6 +39,13 @@ log = logging.getLogger(__name__)
 
 PinMode = Literal["auto", "register", "alloc", "none"]
 GiB = 1 << 30
+MIN_AUTO_CHUNK = 2 << 20
+
+
+def chunk_bytes_for(copy_bytes: int) -> int:
+    """The chunk size for copies of about ``copy_bytes``: 1/32 of it (at most ~3% rounding per
+    lease), page-aligned, between 2 MiB and 1 GiB (fewer, larger DMA transfers for big copies)."""
+    return max(MIN_AUTO_CHUNK, min(GiB, copy_bytes // 32)) // 4096 * 4096
 
 
 class HostLease:
@@ -97,14 +107,14 @@ class HostPool:
     def __init__(
         self,
         *,
-        chunk_bytes: int = GiB,
+        chunk_bytes: int | Literal["auto"] = "auto",
         pin: PinMode = "auto",
         max_bytes: int | None = None,
         name: str = "colosync-host-pool",
     ) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % 4096:
+        if chunk_bytes != "auto" and (not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4096):
             raise ConfigError(
-                f"chunk_bytes must be a positive multiple of 4096 (a page), got {chunk_bytes}; "
+                f"chunk_bytes must be 'auto' or a positive multiple of 4096 (a page), got {chunk_bytes!r}; "
                 f"e.g. HostPool(chunk_bytes=1 << 30)"
             )
         self._auto = pin == "auto"
@@ -112,7 +122,7 @@ class HostPool:
             pin = "register" if torch.cuda.is_available() else "none"
         if pin in ("register", "alloc") and not torch.cuda.is_available():
             raise StashError(f"pin={pin!r} needs CUDA; use pin='none' on a machine without a GPU")
-        self.chunk_bytes = chunk_bytes
+        self._chunk_bytes = None if chunk_bytes == "auto" else chunk_bytes
         self.pin: str = pin
         self.max_bytes = max_bytes
         self.name = name
@@ -122,6 +132,16 @@ class HostPool:
         self._leases: dict[int, HostLease] = {}
         self._lock = threading.Lock()
         self.alloc_seconds = 0.0
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The pool's chunk size (1 GiB until an ``"auto"`` pool's first reserve or lease sizes it)."""
+        return GiB if self._chunk_bytes is None else self._chunk_bytes
+
+    def _size_chunks(self, nbytes: int) -> None:
+        if self._chunk_bytes is None:
+            self._chunk_bytes = chunk_bytes_for(nbytes)
+            log.debug("host pool %s: %d-byte chunks for a first copy of %d bytes", self.name, self._chunk_bytes, nbytes)
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -151,14 +171,16 @@ class HostPool:
         Returns the seconds it took."""
         started = time.perf_counter()
         with self._lock:
+            self._size_chunks(nbytes)
             while self.capacity_bytes < nbytes:
                 self._grow_one()
         return time.perf_counter() - started
 
     def lease(self, owner: str, nbytes: int) -> HostLease:
         """``nbytes`` of host memory for ``owner``, from free chunks first, growing the pool if needed."""
-        need = self.chunks_for(nbytes)
         with self._lock:
+            self._size_chunks(nbytes)
+            need = self.chunks_for(nbytes)
             if len(self._free) < need:
                 grow = need - len(self._free)
                 if self.max_bytes is not None and self.capacity_bytes + grow * self.chunk_bytes > self.max_bytes:

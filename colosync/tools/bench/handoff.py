@@ -181,8 +181,10 @@ def run_bench(
     progress: Progress | None = None,
     argv: list[str] | None = None,
 ) -> dict[str, Any]:
-    if chunk_bytes is None:  # 1 GiB chunks, smaller for small states (at most ~1/8 rounding waste)
-        chunk_bytes = max(1 << 20, min(1 << 30, size_bytes // 8)) // 4096 * 4096
+    if chunk_bytes is None:  # 1 GiB chunks, smaller for small states (at most ~3% rounding waste)
+        from colosync.handoff.backends.host_pool import chunk_bytes_for
+
+        chunk_bytes = chunk_bytes_for(size_bytes)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

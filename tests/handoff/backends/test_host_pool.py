@@ -46,3 +46,17 @@ def test_pool_max_bytes_names_the_fix():
 def test_pool_chunk_size_must_be_whole_pages():
     with pytest.raises(ConfigError, match="multiple of 4096.*HostPool\\(chunk_bytes=1 << 30\\)"):
         HostPool(chunk_bytes=1000, pin="none")
+
+
+def test_auto_chunks_follow_the_first_copy_so_rounding_stays_small():
+    from colosync.handoff.backends.host_pool import MIN_AUTO_CHUNK, GiB, chunk_bytes_for
+
+    small = HostPool(pin="none")
+    lease = small.lease("trainer.state", 48 << 20)  # a test-sized state: not one 1 GiB chunk
+    assert small.chunk_bytes == chunk_bytes_for(48 << 20) and small.capacity_bytes <= (48 << 20) * 1.04
+    lease.release()
+    small.close()
+    assert chunk_bytes_for(40 << 30) == GiB and chunk_bytes_for(1 << 20) == MIN_AUTO_CHUNK
+    big = HostPool(pin="none")
+    big.reserve(64 << 20)  # the reservation sizes the chunks, and later leases keep them
+    assert big.chunk_bytes == 2 << 20 and big.lease("x", 1 << 20).capacity == 2 << 20
