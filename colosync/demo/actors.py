@@ -29,6 +29,7 @@ class TrainerActor:
         seed: int,
         device: str,
         threads: int = 0,
+        entropy_coef: float = 0.0,
     ) -> None:
         from peft import LoraConfig, get_peft_model
 
@@ -39,6 +40,7 @@ class TrainerActor:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.device = torch.device(device)
+        self.entropy_coef = entropy_coef
         base = load_model(model_dir, self.device)
         config = LoraConfig(
             r=rank,
@@ -54,10 +56,15 @@ class TrainerActor:
     def push(self) -> bytes:
         return msgspec.msgpack.encode(self.sender.push_peft(self.model))
 
-    def train_step(self, prompts: list[list[int]], completions: list[list[int]], advantages: list[float]) -> float:
+    def train_step(
+        self, prompts: list[list[int]], completions: list[list[int]], advantages: list[list[float]]
+    ) -> float:
+        """One policy-gradient step; ``advantages`` has one value per completion token."""
         from colosync.demo.rl import policy_gradient_step
 
-        return policy_gradient_step(self.model, self.optimizer, prompts, completions, advantages)
+        return policy_gradient_step(
+            self.model, self.optimizer, prompts, completions, advantages, entropy_coef=self.entropy_coef
+        )
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         from colosync.demo.models import score

@@ -1,11 +1,14 @@
 """``colosync demo``: a colocated RL loop on Ray that learns, syncs every step and proves parity.
 
-A trainer actor and an engine actor share one device. Each step the engine samples a group
-of completions per prompt, the driver scores them (reward: share of tokens from a target
-vocabulary), the trainer takes a group-relative policy-gradient step on its LoRA, and
-colosync pushes the LoRA to the engine as one transaction with a fresh update id. Then the
-step proves parity: the engine's logprobs on a fixed probe batch must equal the trainer's,
-from the version the engine says it served, or the run stops.
+A trainer actor and an engine actor share one device. The task: count on from the prompt
+(``5 6 7`` -> ``8 9 10 ...``); reward = the share of tokens that follow the token before
+them. Each step the engine samples a group of completions for each of a few fresh prompts,
+the driver scores them, the trainer takes a policy-gradient step on its LoRA (group-relative
+advantages per token, an entropy bonus), and colosync pushes the LoRA to the engine as one
+transaction with a fresh update id. Then the step proves parity: the engine's logprobs on a
+fixed probe batch must equal the trainer's, from the version the engine says it served, or
+the run stops; and the engine answers the probe prompts greedily, from that same version,
+so every step shows what the policy now says.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepRow:
     step: int
-    reward: float
+    reward: float  # mean reward of the step's sampled rollouts (before the step trained)
+    greedy_reward: float  # mean reward of the greedy answers to the probe prompts (after the update)
     loss: float
     sync_ms: float
     bytes: int
@@ -39,6 +43,7 @@ class StepRow:
     host_peak_mb: float
     gpu_peak_mb: float
     step_s: float
+    greedy: list[list[int]] = field(default_factory=list)  # the engine's greedy answers to the probe prompts
 
 
 @dataclass
@@ -46,11 +51,18 @@ class DemoReport:
     engine: str
     transport: str
     device: str
+    task: str = ""
+    prompts: list[list[int]] = field(default_factory=list)  # the probe prompts
+    targets: list[list[int]] = field(default_factory=list)  # their right answers
     steps: list[StepRow] = field(default_factory=list)
-    before: list[list[int]] = field(default_factory=list)
-    after: list[list[int]] = field(default_factory=list)
-    first3_reward: float = 0.0
-    last3_reward: float = 0.0
+    before: list[list[int]] = field(default_factory=list)  # greedy answers before training
+    after: list[list[int]] = field(default_factory=list)  # ... and after the last step
+    window: int = 5  # steps averaged in first_reward and last_reward
+    first_reward: float = 0.0
+    last_reward: float = 0.0
+    before_greedy_reward: float = 0.0
+    after_greedy_reward: float = 0.0
+    after_distinct_tokens: float = 0.0  # distinct tokens per greedy answer, averaged over the probe prompts
     parity_tolerance: float = 0.0
     max_parity_err: float = 0.0
     median_sync_ms: float = 0.0
@@ -71,9 +83,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="rollout engine (auto: vLLM when installed, else the hf reference engine)",
     )
     p.add_argument("--transport", default="auto", help="colosync transport (auto picks the fastest that works)")
-    p.add_argument("--steps", type=int, default=30, help="RL steps (default 30)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-2, help="LoRA learning rate (default 2e-2)")
+    p.add_argument("--steps", type=int, default=40, help="RL steps (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the LoRA, the prompts and the sampling")
+    p.add_argument("--lr", type=float, default=1e-2, help="LoRA learning rate (default 1e-2)")
+    p.add_argument("--entropy-coef", type=float, default=0.2, help="entropy bonus (default 0.2; 0 lets it collapse)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     p.add_argument("--json", action="store_true", help="print the run report as JSON instead of tables")
     p.add_argument("--report", type=Path, help="also write the JSON run report to this file")
@@ -94,7 +107,16 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=args.json, width=max(Console().width, 110))
     try:
-        report = run_demo(args.engine, args.transport, args.steps, args.seed, args.lr, args.ray_address, console)
+        report = run_demo(
+            args.engine,
+            args.transport,
+            args.steps,
+            args.seed,
+            args.lr,
+            args.ray_address,
+            console,
+            entropy_coef=args.entropy_coef,
+        )
     except ParityError as exc:
         console.print(f"[bold red]parity failed:[/] {exc}")
         return 2
@@ -111,15 +133,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_demo(
-    engine: str, transport: str, steps: int, seed: int, lr: float, ray_address: str | None, console: Any
+    engine: str,
+    transport: str,
+    steps: int,
+    seed: int,
+    lr: float,
+    ray_address: str | None,
+    console: Any,
+    entropy_coef: float = 0.2,
 ) -> DemoReport:
     import msgspec
     import ray
     import torch
-    from rich.progress import Progress
 
     from colosync.demo.models import make_tiny_llama
-    from colosync.demo.rl import Task
+    from colosync.demo.tasks import CountTask
     from colosync.engines.config import Generate
     from colosync.sync.sender import SyncReport
 
@@ -127,8 +155,9 @@ def run_demo(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="colosync-demo-"))
-    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed))  # head size 32: vLLM's CPU minimum
-    task = Task.make(seed=seed)
+    task = CountTask(seed=seed)
+    # head size 32: vLLM's CPU minimum; the vocabulary is the task's numbers and three specials
+    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed, vocab_size=task.vocab_size))
     ray.init(
         address=ray_address,
         num_cpus=None if ray_address else 2,
@@ -146,29 +175,49 @@ def run_demo(
 
         # Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
         trainer: Any = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
-            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads
+            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads, entropy_coef
         )
         driver = RayLink(engine_actor, engine)
         first = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
-        before = driver.call(Generate(task.prompts, task.max_new_tokens))
-        report = DemoReport(engine, first.transport, device, before=before.tokens, parity_tolerance=tolerance)
-        with Progress(console=console, transient=True) as progress:
-            bar = progress.add_task("RL steps", total=steps)
-            for step in range(steps):
-                row = _step(step, task, driver, trainer, engine_actor, seed, tolerance, before.tokens)
-                report.steps.append(row)
-                progress.update(bar, advance=1, description=f"step {step}: reward {row.reward:.3f}")
-        report.after = driver.call(Generate(task.prompts, task.max_new_tokens)).tokens
+        prompts = task.probe_prompts
+        before = driver.call(Generate(prompts, task.max_new_tokens))
+        report = DemoReport(
+            engine,
+            first.transport,
+            device,
+            task=f"count on from the prompt, modulo {task.numbers} (tokens {task.vocab_size - task.numbers}..)",
+            prompts=prompts,
+            targets=[task.target(p) for p in prompts],
+            before=before.tokens,
+            parity_tolerance=tolerance,
+        )
+        report.before_greedy_reward = _mean_reward(task, prompts, before.tokens)
+        console.print(
+            f"[bold]engine[/] {engine}  [bold]transport[/] {first.transport}  [bold]device[/] {device}  "
+            f"[bold]task[/] {report.task}; {task.prompts_per_step} fresh prompts x {task.group_size} samples a step"
+        )
+        for step in range(steps):
+            row = _step(step, task, driver, trainer, engine_actor, seed, tolerance, before.tokens)
+            report.steps.append(row)
+            print_step(row, prompts[0], task, console, header=step == 0)
+        report.after = report.steps[-1].greedy if report.steps else before.tokens
         ray.get(trainer.close.remote())
     finally:
         ray.shutdown()
     rewards = [r.reward for r in report.steps]
-    report.first3_reward = statistics.mean(rewards[:3]) if rewards else 0.0
-    report.last3_reward = statistics.mean(rewards[-3:]) if rewards else 0.0
+    k = report.window
+    report.first_reward = statistics.mean(rewards[:k]) if rewards else 0.0
+    report.last_reward = statistics.mean(rewards[-k:]) if rewards else 0.0
+    report.after_greedy_reward = _mean_reward(task, report.prompts, report.after)
+    report.after_distinct_tokens = statistics.mean(len(set(c)) for c in report.after) if report.after else 0.0
     report.max_parity_err = max((r.parity_err for r in report.steps), default=0.0)
     report.median_sync_ms = statistics.median(r.sync_ms for r in report.steps) if report.steps else 0.0
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _mean_reward(task: Any, prompts: list[list[int]], completions: list[list[int]]) -> float:
+    return statistics.mean(task.reward(p, c) for p, c in zip(prompts, completions, strict=True))
 
 
 def _start_engine(
@@ -208,16 +257,18 @@ def _step(
     from colosync.sync.sender import SyncReport
 
     t0 = time.perf_counter()
-    batch = task.batch()
+    batch = task.batch(step)
     rollout = driver.call(Generate(batch, task.max_new_tokens, temperature=1.0, seed=seed * 100_003 + step))
-    rewards = [task.reward(c) for c in rollout.tokens]
+    rewards = [task.reward(p, c) for p, c in zip(batch, rollout.tokens, strict=True)]
+    advantages = task.advantages(batch, rollout.tokens)
     samples = [ray.get(engine_actor.memory.remote()), ray.get(trainer.memory.remote())]
-    loss = ray.get(trainer.train_step.remote(batch, rollout.tokens, task.advantages(rewards)))
+    loss = ray.get(trainer.train_step.remote(batch, rollout.tokens, advantages))
     sync = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
-    probe = driver.call(Score(task.prompts, probe_completions))
+    prompts = task.probe_prompts
+    probe = driver.call(Score(prompts, probe_completions))
     if probe.update_id != sync.update_id:
         raise ParityError(f"step {step}: engine served update {probe.update_id}, expected {sync.update_id}")
-    reference = ray.get(trainer.score.remote(task.prompts, probe_completions))
+    reference = ray.get(trainer.score.remote(prompts, probe_completions))
     err = max(
         abs(a - b) for xs, ys in zip(probe.logprobs, reference, strict=False) for a, b in zip(xs, ys, strict=False)
     )
@@ -225,12 +276,16 @@ def _step(
         raise ParityError(
             f"step {step}: engine and trainer logprobs differ by {err:.3g} > {tolerance:g} on update {sync.update_id}"
         )
+    greedy = driver.call(Generate(prompts, task.max_new_tokens))
+    if greedy.update_id != sync.update_id:
+        raise ParityError(f"step {step}: engine answered from update {greedy.update_id}, expected {sync.update_id}")
     samples += [ray.get(engine_actor.memory.remote()), ray.get(trainer.memory.remote())]
     host_peak = max(samples[0]["host_rss"] + samples[1]["host_rss"], samples[2]["host_rss"] + samples[3]["host_rss"])
     gpu_peak = max(s["gpu_peak"] for s in samples)
     return StepRow(
         step,
         statistics.mean(rewards),
+        _mean_reward(task, prompts, greedy.tokens),
         loss,
         sync.seconds["total"] * 1e3,
         sync.bytes,
@@ -240,38 +295,60 @@ def _step(
         host_peak / 2**20,
         gpu_peak / 2**20,
         time.perf_counter() - t0,
+        greedy.tokens,
+    )
+
+
+_COLUMNS = "step  reward  greedy  sync ms     bytes  update  parity  host MB  GPU MB"
+
+
+def _marked(task: Any, prompt: list[int], completion: list[int]) -> str:
+    """``completion`` with each token green when it earned its reward, red when not."""
+    rewards = task.token_rewards(prompt, completion)
+    return " ".join(f"[{'green' if r else 'red'}]{t}[/]" for t, r in zip(completion, rewards, strict=True))
+
+
+def print_step(row: StepRow, prompt: list[int], task: Any, console: Any, header: bool = False) -> None:
+    """One line per step, as it finishes: the rewards, the sync, parity, memory, and the
+    engine's greedy answer to the first probe prompt under the update it just committed."""
+    if header:
+        shown = " ".join(map(str, prompt[1:]))
+        console.print(f"[bold]{_COLUMNS}  greedy answer to [{shown}][/]", highlight=False)
+    console.print(
+        f"{row.step:>4}  {row.reward:6.3f}  {row.greedy_reward:6.3f}  {row.sync_ms:7.1f}  {row.bytes:>8,}  "
+        f"{row.update_id:>6}  {row.parity_err:6.0e}  {row.host_peak_mb:7.0f}  {row.gpu_peak_mb:6.0f}  "
+        f"{_marked(task, prompt, row.greedy[0])}",
+        highlight=False,
     )
 
 
 def print_report(report: DemoReport, console: Any) -> None:
     from rich.table import Table
 
-    console.print(
-        f"[bold]engine[/] {report.engine}  [bold]transport[/] {report.transport}  [bold]device[/] {report.device}"
-    )
-    console.print(f"greedy before: {report.before[0]}")
-    table = Table(title="colocated RL steps")
-    for col in ("step", "reward", "sync ms", "bytes", "transport", "update", "parity err", "host MB", "GPU MB"):
-        table.add_column(col, justify="right")
-    for r in report.steps:
+    from colosync.demo.tasks import CountTask
+
+    task = CountTask()  # token_rewards needs only the alphabet, which every seed shares
+    table = Table(title="greedy answers to the probe prompts (green: counts on from the token before)")
+    for col in ("prompt", "before training", "after", "right"):
+        table.add_column(col)
+    for prompt, before, after, target in zip(report.prompts, report.before, report.after, report.targets, strict=True):
+        right = sum(a == t for a, t in zip(after, target, strict=True))
         table.add_row(
-            str(r.step),
-            f"{r.reward:.3f}",
-            f"{r.sync_ms:.1f}",
-            f"{r.bytes:,}",
-            r.transport,
-            str(r.update_id),
-            f"{r.parity_err:.0e}",
-            f"{r.host_peak_mb:.0f}",
-            f"{r.gpu_peak_mb:.0f}",
+            " ".join(map(str, prompt[1:])),
+            _marked(task, prompt, before),
+            _marked(task, prompt, after),
+            f"{right}/{len(target)}",
         )
     console.print(table)
-    console.print(f"greedy after:  {report.after[0]}")
-    gain = report.last3_reward - report.first3_reward
+    gain = report.last_reward - report.first_reward
+    k = report.window
     console.print(
-        f"reward {report.first3_reward:.3f} (first 3 steps) -> {report.last3_reward:.3f} (last 3), {gain:+.3f}; "
+        f"reward {report.first_reward:.3f} (first {k} steps) -> {report.last_reward:.3f} (last {k}), {gain:+.3f}; "
+        f"greedy {report.before_greedy_reward:.3f} -> {report.after_greedy_reward:.3f}, "
+        f"{report.after_distinct_tokens:.1f} distinct tokens per answer; "
         f"parity held at every step (max |delta logprob| {report.max_parity_err:.1e} <= {report.parity_tolerance:g}); "
-        f"median sync {report.median_sync_ms:.1f} ms; {report.seconds:.0f} s in all"
+        f"median sync {report.median_sync_ms:.1f} ms; {report.seconds:.0f} s in all",
+        highlight=False,
     )
 
 
@@ -283,7 +360,9 @@ def plot(report: DemoReport, path: Path) -> None:
 
     steps = [r.step for r in report.steps]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(steps, [r.reward for r in report.steps], color="tab:green", label="mean reward")
+    ax.plot(steps, [r.reward for r in report.steps], color="tab:green", label="sampled")
+    ax.plot(steps, [r.greedy_reward for r in report.steps], color="tab:olive", linestyle="--", label="greedy")
+    ax.legend(loc="upper left")
     ax.set_xlabel("step")
     ax.set_ylabel("reward", color="tab:green")
     ax2 = ax.twinx()

@@ -1,51 +1,21 @@
-"""A toy RL task and a group-relative policy-gradient learner for the demo.
+"""The demo's learner: one on-policy policy-gradient step with per-token advantages.
 
-The task is small enough to learn in a minute on two CPU cores and plain enough to read:
-the policy is rewarded for speaking a *target vocabulary* (token ids below
-``TARGET_VOCAB``), reward = the share of completion tokens drawn from it. Each prompt gets a
-group of sampled completions; advantages are rewards normalised within the group (GRPO),
-and the LoRA takes one on-policy step on ``-advantage * logprob``.
+Per-token credit, not one advantage per completion: a sequence-level advantage reinforces
+every token of a better-than-average sample, the wrong ones too, and on a tiny random model
+that drives the policy onto one token repeated. Each token is pushed by its own advantage
+(``colosync.demo.tasks``), and an entropy bonus keeps the policy sampling other tokens long
+enough to find the right ones, instead of settling on the first that ever paid. The step is
+on-policy (ratio 1), so no clipping is needed. The loss is computed in batches of equal
+shapes, one forward pass per batch, not one per sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from colosync.demo.models import completion_logprobs
 from colosync.errors import ConfigError
-
-TARGET_VOCAB = 64
-
-
-@dataclass(frozen=True)
-class Task:
-    prompts: list[list[int]]
-    group_size: int
-    max_new_tokens: int
-    target_vocab: int = TARGET_VOCAB
-
-    @classmethod
-    def make(
-        cls, num_prompts: int = 4, group_size: int = 8, max_new_tokens: int = 12, seed: int = 0, vocab_size: int = 512
-    ) -> Task:
-        g = torch.Generator().manual_seed(seed)
-        prompts = [[1, *torch.randint(3, vocab_size, (4,), generator=g).tolist()] for _ in range(num_prompts)]
-        return cls(prompts, group_size, max_new_tokens)
-
-    def reward(self, completion: Sequence[int]) -> float:
-        return sum(t < self.target_vocab for t in completion) / max(len(completion), 1)
-
-    def batch(self) -> list[list[int]]:
-        """Every prompt repeated ``group_size`` times, grouped."""
-        return [p for p in self.prompts for _ in range(self.group_size)]
-
-    def advantages(self, rewards: Sequence[float]) -> list[float]:
-        r = torch.tensor(rewards, dtype=torch.float64).view(len(self.prompts), self.group_size)
-        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)
-        return adv.flatten().tolist()
 
 
 def policy_gradient_step(
@@ -53,17 +23,39 @@ def policy_gradient_step(
     optimizer: torch.optim.Optimizer,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
-    advantages: Sequence[float],
+    advantages: Sequence[Sequence[float]],
+    entropy_coef: float = 0.0,
 ) -> float:
-    """One on-policy GRPO step (ratio 1, no clipping needed); returns the loss."""
+    """One step on ``-(advantage * logprob) - entropy_coef * entropy``, both averaged over the
+    completion tokens; returns the loss."""
+    if not completions or len(prompts) != len(completions) or len(advantages) != len(completions):
+        raise ConfigError(
+            f"a policy-gradient step needs one advantage row per completion and at least one completion; "
+            f"got {len(prompts)} prompts, {len(completions)} completions, {len(advantages)} advantage rows"
+        )
+    device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    logps = completion_logprobs(model, prompts, completions)
     tokens = sum(len(c) for c in completions)
-    loss = -sum(a * lp.sum() for a, lp in zip(advantages, logps, strict=False)) / max(tokens, 1)
-    if not isinstance(loss, torch.Tensor):
-        raise ConfigError("a GRPO step needs at least one completion")
+    if tokens == 0:
+        raise ConfigError("a policy-gradient step needs at least one completion token")
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if len(advantages[i]) != len(c):
+            raise ConfigError(f"completion {i} has {len(c)} tokens but {len(advantages[i])} advantages")
+        shapes.setdefault((len(p), len(c)), []).append(i)
+    total = torch.zeros((), device=device)
+    for (plen, clen), rows in shapes.items():
+        if clen == 0:
+            continue
+        ids = torch.tensor([[*prompts[i], *completions[i]] for i in rows], device=device)
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)[:, plen - 1 : plen - 1 + clen]
+        chosen = logp.gather(2, ids[:, plen:, None]).squeeze(2)
+        adv = torch.tensor([list(advantages[i]) for i in rows], device=device, dtype=torch.float32)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        total = total - (adv * chosen).sum() - entropy_coef * entropy.sum()
+    loss = total / tokens
     loss.backward()
     optimizer.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
