@@ -27,7 +27,18 @@ import torch
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
 from colosync.engines.host import HostedTarget
 from colosync.errors import UnknownTensorError
-from colosync.sync.target import Changes, ModelSpec, ParamSpec, parse_lora_name, tied_parameters
+from colosync.sync.target import (
+    Changes,
+    FullFootprint,
+    HostStaging,
+    ModelSpec,
+    ParamSpec,
+    Staging,
+    full_footprint,
+    parse_lora_name,
+    return_cached,
+    tied_parameters,
+)
 from colosync.wire.manifest import LoraSpec, UpdateManifest
 
 log = logging.getLogger(__name__)
@@ -57,6 +68,10 @@ class HFEngine(HostedTarget):
         self._previous_adapter: str | None = None  # kept until the next commit: what a revert reinstates
         self._last_commit_lora = False
         self._spec = self._build_spec()
+        # Full updates land in host memory and are copied into the weights at commit: the
+        # device never holds a second copy of the model (kept between updates on a GPU).
+        self._host = HostStaging(keep=self.device.type == "cuda")
+        self.last_full: FullFootprint | None = None  # where the last full update's bytes sat at prepare
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> HFEngine:
@@ -79,12 +94,16 @@ class HFEngine(HostedTarget):
     def model_spec(self) -> ModelSpec:
         return self._spec
 
+    def staging(self, manifest: UpdateManifest) -> Staging | None:
+        return self._host.lend(manifest) if manifest.kind == "full" else None
+
     def prepare(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
         if manifest.kind == "full":
+            # Nothing moves to the device before commit: the staged tensors are the values
+            # (a dtype the model does not use is cast where the tensor is, in host memory).
             params = [self._base[name] for name in tensors]
-            values = [
-                t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(params, tensors.values(), strict=True)
-            ]
+            values = [t if t.dtype == p.dtype else t.to(p.dtype) for p, t in zip(params, tensors.values(), strict=True)]
+            self.last_full = full_footprint(manifest, self._host, [*tensors.values(), *values])
             return _PreparedFull(params, values)
         if manifest.lora is None:  # UpdateManifest guarantees it; keeps the type checker honest
             raise UnknownTensorError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
@@ -96,10 +115,15 @@ class HFEngine(HostedTarget):
         self._retire(self._previous_adapter)  # only the adapter served right before this commit is kept
         self._previous_adapter = None
         if isinstance(prepared, _PreparedFull):
-            with torch.no_grad():
-                torch._foreach_copy_(prepared.params, prepared.values)
+            changed = len(prepared.values)
+            try:
+                with torch.no_grad():  # host -> device straight into the served weights, no device copy
+                    torch._foreach_copy_(prepared.params, prepared.values, non_blocking=True)
+                return_cached(self.device)  # waits for the copies: the area may be reused after this
+            finally:
+                prepared.values.clear()
             self._last_commit_lora = False
-            return Changes(len(prepared.params), len(prepared.values))
+            return Changes(changed, len(prepared.params))
         self._previous_adapter, self._served_adapter = self._served_adapter, prepared.adapter  # the switch
         self._last_commit_lora = True
         return prepared.changes
@@ -116,6 +140,11 @@ class HFEngine(HostedTarget):
     def discard(self, prepared: Any) -> None:
         if isinstance(prepared, _PreparedLora):
             self._drop_adapter(prepared.adapter)
+        elif isinstance(prepared, _PreparedFull):
+            prepared.values.clear()
+
+    def unstage(self, manifest: UpdateManifest) -> None:
+        self._host.done()
 
     def _retire(self, adapter: str | None) -> None:
         if adapter is None:

@@ -17,6 +17,9 @@ Why it is built this way:
   in pieces is assembled first in the bounce buffer: one bucket of device memory, kept
   between updates (and grown to the largest bucket that needed it) rather than allocated
   per update.
+- An engine may lend flat buckets in host memory (``sync.target.HostStaging``: a full
+  update then costs its device nothing). A whole bucket in a device slot is checked there,
+  on the device, and copied to the host once; anything else is copied and checked on the host.
 - Chunk order is checked here (``Landing.admit``) because the landing is what knows how many
   bytes of each bucket have arrived; a chunk out of place is refused before anything lands,
   so the update stays in flight and the sender can still abort it cleanly.
@@ -415,6 +418,13 @@ class Landing(abc.ABC):
         cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
+        if src is not None and src.is_cuda and not flat.is_cuda and last and msg.offset == 0:
+            # Staged in host memory (``HostStaging``): check the whole bucket where it is, on the
+            # device, then one device->host copy (asynchronous into pinned memory; the fence waits).
+            self._take_sent(msg.bucket, cell)
+            result = fused.copy_check(src, None, self._segments(b), out=row) if self._check else None
+            flat[: msg.nbytes].copy_(src, non_blocking=flat.is_pinned())
+            return flat, result
         if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
             segs = self._segments(b)
             if row is None or not flat.is_cuda:

@@ -254,6 +254,7 @@ class Receiver:
             self.serving = True
         tx.prepared = None  # committed: now owned by the engine, not to be discarded
         self._inflight = None
+        self._unstage(tx)
         self._delivery = Delivery(changes.changed, changes.expected) if changes is not None else None
         log.info("receiver: committed update %d", update_id)
         if changes is not None and changes.changed != changes.expected:
@@ -330,10 +331,17 @@ class Receiver:
             except Exception:  # freeing must not mask the original error
                 log.exception("receiver: discard of update %d failed", tx.update_id)
         tx.landing.release()
+        self._unstage(tx)
         self._ended[tx.update_id] = reason
         while len(self._ended) > 64:
             self._ended.popitem(last=False)
         log.info("receiver: update %d ended without commit: %s", tx.update_id, reason)
+
+    def _unstage(self, tx: _InFlight) -> None:
+        try:
+            self.target.unstage(tx.manifest)
+        except Exception:  # freeing must not mask the original error or undo a commit
+            log.exception("receiver: unstage of update %d failed", tx.update_id)
 
 
 def _usable(device: torch.device) -> torch.device:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from colosync.errors import (
     TiedWeightError,
     UnknownTensorError,
 )
+from colosync.wire.bucket import typed_views
 from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
 
 
@@ -71,8 +72,8 @@ class Staging:
     """Engine-owned tensors to receive an update into (see ``StagingTarget``).
 
     ``tensors``: one per ``manifest.tensors`` entry, in that order, same shape and dtype,
-    contiguous, on the Receiver's device, none of them served. ``buckets`` (optional): for
-    each bucket, one ``uint8`` tensor of ``bucket_sizes[b]`` bytes in which bytes
+    contiguous, on the Receiver's device or in host memory (``HostStaging``), none of them
+    served. ``buckets`` (optional): for each bucket, one ``uint8`` tensor of ``bucket_sizes[b]`` bytes in which bytes
     ``[offset, offset + nbytes)`` of each tensor *are* that tensor's storage and the padding between them
     belongs to nothing else -- then each bucket lands with one flat copy and no
     per-tensor work at all.
@@ -80,6 +81,117 @@ class Staging:
 
     tensors: Sequence[torch.Tensor]
     buckets: Sequence[torch.Tensor] | None = None
+
+
+class HostStaging:
+    """A full update's landing place in host memory, lent to the Receiver through ``staging()``.
+
+    Why: a full update staged on the engine's device costs the engine the whole payload in
+    device memory (more with a prepared copy), memory a colocated trainer cannot use. Staged
+    here instead, the payload sits in host memory (pinned when CUDA is present, so the
+    install at commit runs at DMA speed) until the engine copies it into its served weights
+    while paused; the device holds at most the Receiver's bounce buffer and the transport's
+    slots beside them. Pinning is slow, so with ``keep`` the area is reused by every update
+    of the same layout (one update is in flight at a time: a new Begin ends the old one
+    before it asks for staging); without it (an engine on the CPU, where the area would be
+    memory the model itself needs) it is freed when the update ends.
+    """
+
+    def __init__(self, keep: bool, pin: bool | None = None) -> None:
+        self.keep = keep
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._layout: Any = None
+        self._staging: Staging | None = None
+
+    def lend(self, manifest: UpdateManifest) -> Staging:
+        """Per-bucket host buffers for ``manifest`` and typed views of its tensors inside them."""
+        if self._staging is not None and self._layout == manifest.layout:
+            return self._staging
+        self.release()
+        flats = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for size in manifest.bucket_sizes]
+        members: list[list[TensorMeta]] = [[] for _ in flats]
+        for t in manifest.tensors:
+            members[t.bucket].append(t)
+        views = {
+            m.name: v
+            for flat, metas in zip(flats, members, strict=True)
+            for m, v in zip(metas, typed_views(flat, metas), strict=True)
+        }
+        self._staging = Staging([views[t.name] for t in manifest.tensors], flats)
+        self._layout = manifest.layout
+        return self._staging
+
+    def done(self) -> None:
+        """The update that used the area ended (committed or not): free it unless it is kept."""
+        if not self.keep:
+            self.release()
+
+    def release(self) -> None:
+        self._staging, self._layout = None, None
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies inside the area (the model must never alias it)."""
+        if self._staging is None or self._staging.buckets is None or tensor.device.type != "cpu":
+            return False
+        ptr = tensor.data_ptr()
+        return any(f.data_ptr() <= ptr < f.data_ptr() + f.numel() for f in self._staging.buckets)
+
+    def disown_if_aliased(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Hand the area to the engine if any of ``tensors`` (the model's) lives in it; True then.
+
+        An engine whose loader keeps a staged tensor as its parameter (``param.data = t``)
+        would otherwise see the next update land in what it serves before that update commits.
+        """
+        if self._staging is None or not any(self.owns(t) for t in tensors):
+            return False
+        self.release()  # the model keeps its memory alive; the next update gets a fresh area
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        if self._staging is None or self._staging.buckets is None:
+            return 0
+        return sum(f.numel() for f in self._staging.buckets)
+
+
+class FullFootprint(msgspec.Struct, frozen=True):
+    """Where a full update's bytes sat in the engine at ``prepare`` (what ``HostStaging`` bounds).
+
+    ``outside_bytes``: bytes of the update's staged or prepared tensors held anywhere but the
+    host staging area (a staged copy on the device, a prepared copy, a cast); 0 when the
+    update goes straight from the area into the weights. ``device_bytes``: the part of those
+    on a device.
+    """
+
+    update_id: int
+    payload_bytes: int
+    host_staging_bytes: int
+    outside_bytes: int
+    device_bytes: int
+
+
+def full_footprint(manifest: UpdateManifest, area: HostStaging, tensors: Iterable[torch.Tensor]) -> FullFootprint:
+    """Account ``tensors`` (what ``prepare`` received and built) against ``area``, by storage."""
+    outside: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if area.owns(t) or not t.numel():
+            continue
+        storage = t.untyped_storage()
+        outside[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    device = sum(n for (where, _), n in outside.items() if where != "cpu")
+    return FullFootprint(manifest.update_id, manifest.total_bytes, area.nbytes, sum(outside.values()), device)
+
+
+def return_cached(device: torch.device) -> None:
+    """Give the allocator's cached, unused device blocks back to the driver after an install.
+
+    What a full update staged or cast on the device stays reserved by PyTorch's caching
+    allocator after it is freed, invisible to a colocated trainer: after a commit that memory
+    is held by nobody, so it goes back.
+    """
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -146,6 +258,13 @@ class EngineTarget(abc.ABC):
         the other, swap on ``commit``) gets an update in with nothing but those copies.
         """
         return None
+
+    def unstage(self, manifest: UpdateManifest) -> None:  # noqa: B027 - optional hook, no-op by default
+        """The update ``staging()`` lent tensors for has ended, committed or not: they are the engine's again.
+
+        Called once per update that reached ``begin``, after ``commit`` or ``discard`` (or when
+        it ended before ``prepare``), so an engine can free or recycle its staging area.
+        """
 
 
 _LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")

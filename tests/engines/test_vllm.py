@@ -183,6 +183,47 @@ def test_full_update_with_wrong_shape_is_rejected(vllm_engine, vllm_sender, vllm
     assert vllm_engine.committed_update_id == before
 
 
+def test_full_update_stages_in_host_memory_only_and_a_late_nan_changes_nothing(
+    vllm_llm, vllm_engine, vllm_sender, vllm_model_dir
+):
+    """Every worker holds the update once, in its host staging area: no staged or prepared copy.
+
+    (The accounting fails if the Receiver stages into its own buffers or ``prepare`` copies.)
+    A full update with a NaN in its last bucket then leaves the workers serving the committed
+    weights bit for bit.
+    """
+    original = load_model(vllm_model_dir)
+    perturbed = copy.deepcopy(original)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.03)
+    named = list(perturbed.named_parameters())
+    payload = sum(t.numel() * t.element_size() for _, t in named)
+    try:
+        report = vllm_sender.push(named)
+        for worker in vllm_engine.link.info():
+            fp = worker.last_full
+            assert fp is not None and fp.update_id == report.update_id, worker
+            assert fp.outside_bytes == 0 and fp.device_bytes == 0, fp
+            assert payload <= fp.host_staging_bytes <= payload + 64 * len(named), fp
+        outs, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS)
+        assert_parity(tokens, logprobs, *greedy(perturbed, PROMPTS, NEW))
+        poisoned = [(n, t.detach().clone()) for n, t in original.named_parameters()]
+        poisoned[-1][1].view(-1)[-1] = float("nan")
+        _in_last_bucket(vllm_sender, poisoned)
+        with pytest.raises(NonFiniteError, match="NaN"):
+            vllm_sender.push(poisoned)
+        assert vllm_engine.committed_update_id == report.update_id
+        outs, after_tokens, after_logprobs = vllm_generate(vllm_llm, PROMPTS)
+        assert after_tokens == tokens and after_logprobs == logprobs, "the served weights must not have moved"
+        assert vllm_engine.version_of(outs[0]) == report.update_id
+    finally:
+        vllm_sender.push(original.named_parameters())
+    _, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS)
+    assert_parity(tokens, logprobs, *greedy(original, PROMPTS, NEW))
+
+
 # -- atomicity ----------------------------------------------------------------------------
 
 
@@ -507,6 +548,63 @@ def _fake_target(manager):
         model_runner=SimpleNamespace(get_model=lambda: model, lora_manager=SimpleNamespace(_adapter_manager=manager)),
     )
     return VllmTarget(worker)
+
+
+def test_a_full_commit_counts_moe_experts_vllm_loads_below_their_layer():
+    """Qwen3-MoE: HF's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` belong to the layer
+    ``mlp.experts``, and vLLM 0.32 reports loading ``mlp.experts.routed_experts.w13_weight`` /
+    ``w2_weight`` (seen from a real reload, ``/tmp/helpers/qwen/vllm_moe_full.py``); a layer
+    nothing was loaded into still does not count, and a name that only shares a prefix is no child."""
+    from colosync.engines.vllm.worker import loaded_layers
+
+    layers = {"model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.experts", "model.layers.1"}
+    loaded = {
+        "model.embed_tokens",
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.0.mlp.experts.routed_experts",  # what the reload's load_weights returned, per module
+        "model.layers.10.mlp.gate",
+    }
+    assert loaded_layers(layers, loaded) == layers - {"model.layers.1"}
+    assert loaded_layers(layers, loaded - {"model.layers.0.mlp.experts.routed_experts"}) == {
+        "model.embed_tokens",
+        "model.layers.0.self_attn.qkv_proj",
+    }
+
+
+def test_a_cpu_engine_refuses_moe_experts_before_a_byte_moves():
+    """vLLM 0.32's CPU reload leaves routed experts wrong (``/tmp/helpers/qwen/vllm_moe_full.py``: reloading a
+    Qwen3-MoE's own weights changed its greedy tokens); a CPU engine refuses experts at Begin, the rest goes."""
+    from transformers import Qwen3MoeConfig
+
+    from colosync.engines.vllm.worker import VllmTarget
+    from colosync.wire.manifest import UpdateManifest
+
+    config = Qwen3MoeConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
+    model = SimpleNamespace(packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(dtype=torch.float32, hf_config=config), lora_config=None
+        ),
+        model_runner=SimpleNamespace(get_model=lambda: model),
+    )
+    target = VllmTarget(worker)
+    specs = [(n, p.shape, p.dtype) for n, p in target.model_spec().params.items()]
+    assert any(".experts." in n for n, _, _ in specs)
+    with pytest.raises(UpdateRejected, match="MoE expert weights.*mlp.experts"):
+        target.check(UpdateManifest(1, "full", plan_buckets(specs, 1 << 16)))
+    rest = [s for s in specs if ".experts." not in s[0]]
+    target.check(UpdateManifest(2, "full", plan_buckets(rest, 1 << 16)))
 
 
 def test_lora_commit_counts_what_vllm_placed_and_reports_a_shortfall():

@@ -51,7 +51,20 @@ import torch
 from colosync.engines.host import EngineHost, codecs
 from colosync.errors import ConfigError, RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import Changes, EngineTarget, ModelSpec, ParamSpec, parse_lora_name, tied_parameters, untie
+from colosync.sync.target import (
+    Changes,
+    EngineTarget,
+    FullFootprint,
+    HostStaging,
+    ModelSpec,
+    ParamSpec,
+    Staging,
+    full_footprint,
+    parse_lora_name,
+    return_cached,
+    tied_parameters,
+    untie,
+)
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Failed
 
@@ -79,6 +92,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     committed_update_id: int
     lora_update_id: int  # the update that installed the served adapter; 0 if none
     serving: bool = True  # False: failed closed (a full update did not verify); push a good update
+    last_full: FullFootprint | None = None  # where the last full update's bytes sat at prepare
 
 
 # =========================================================================================
@@ -96,6 +110,21 @@ class _PreparedFull:
     def __init__(self, named: list[tuple[str, torch.Tensor]], layers: set[str]) -> None:
         self.named = named
         self.layers = layers  # the vLLM layers these HF parameters load into (``_group_of``)
+
+
+def loaded_layers(layers: set[str], loaded: set[str]) -> set[str]:
+    """Which of ``layers`` (``_group_of`` names) vLLM's ``load_weights`` loaded into.
+
+    A layer counts when vLLM reports loading it or a module inside it: a fused MoE block
+    (``mlp.experts``, what HF's 3D ``experts.gate_up_proj`` / ``down_proj`` belong to) loads
+    into its runner's ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight``. A layer
+    nothing was loaded into, itself or below, does not count.
+    """
+    reached: set[str] = set()
+    for name in loaded:
+        parts = name.split(".")
+        reached.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return layers & reached
 
 
 def placed_lora_modules(manager: Any, lora: Any) -> int:
@@ -141,6 +170,11 @@ class VllmTarget(EngineTarget):
         self._last_commit: tuple[str, int] | None = None  # (kind, update_id)
         self._previous: Any = None
         self._previous_lora_update_id = 0
+        # Full updates land in host memory and vLLM's reload copies them into the weights at
+        # commit (layer by layer): no staged or prepared copy of the model on the device.
+        self._device = _receiver_device(worker)
+        self._host = HostStaging(keep=self._device.type == "cuda")
+        self.last_full: FullFootprint | None = None
 
     # -- model description ------------------------------------------------------------------
     def _model(self) -> torch.nn.Module:
@@ -219,6 +253,14 @@ class VllmTarget(EngineTarget):
                 f"full updates need the model's HF layout, which transformers cannot build for "
                 f"{type(self.hf_config).__name__}; send LoRA updates or upgrade transformers"
             )
+        experts = sorted(t.name for t in manifest.tensors if ".experts." in t.name)
+        if experts and self._device.type == "cpu":
+            raise UpdateRejected(
+                f"full update {manifest.update_id} sends {len(experts)} MoE expert weights (e.g. {experts[0]!r}) "
+                "to vLLM's CPU backend, whose in-place reload (vLLM 0.32) leaves routed experts unlike a fresh load: "
+                "reloading the served experts unchanged changes its outputs. Refused before any byte moved; update "
+                "the experts on a GPU engine, or leave them out of CPU updates (the other layers reload correctly)"
+            )
         names = {self._spec.tied.get(t.name, t.name) for t in manifest.tensors}  # a tied alias is its tie
         for key in sorted({self._group_of(n) for n in names}):
             missing = sorted(self._groups.get(key, set()) - names)  # unknown names: validate_manifest
@@ -273,8 +315,19 @@ class VllmTarget(EngineTarget):
         # and keeps a state_dict() with lm_head.weight working under a Receiver that does not.
         tensors = untie(manifest, tensors, self._spec)
         params = self._spec.params or {}
-        named = [(name, t.to(dtype=params[name].dtype, copy=True)) for name, t in tensors.items()]
+        # The staged (host) tensors go to the reload as they are; only a dtype the model does
+        # not use is cast, where the tensor is. vLLM's loaders copy into its own storage.
+        named = [
+            (name, t if t.dtype == params[name].dtype else t.to(params[name].dtype)) for name, t in tensors.items()
+        ]
+        self.last_full = full_footprint(manifest, self._host, [*tensors.values(), *(t for _, t in named)])
         return _PreparedFull(named, {self._group_of(name) for name in tensors})
+
+    def staging(self, manifest: UpdateManifest) -> Staging | None:
+        return self._host.lend(manifest) if manifest.kind == "full" else None
+
+    def unstage(self, manifest: UpdateManifest) -> None:
+        self._host.done()
 
     def _build_lora(self, manifest: UpdateManifest, tensors: dict[str, torch.Tensor]) -> Any:
         from vllm.lora.lora_model import LoRAModel
@@ -325,7 +378,15 @@ class VllmTarget(EngineTarget):
         else:
             loaded = self._load_full(prepared.named)
             self._previous, self._last_commit = None, ("full", update_id)  # nothing to revert to
-            changes = Changes(len(prepared.layers & loaded), len(prepared.layers))
+            covered = loaded_layers(prepared.layers, loaded)
+            changes = Changes(len(covered), len(prepared.layers))
+            if changes.changed != changes.expected:
+                log.warning(
+                    "colosync: full update %d did not load vLLM layers %s (vLLM reported %s)",
+                    update_id,
+                    sorted(prepared.layers - covered)[:8],
+                    sorted(loaded - prepared.layers)[:8],
+                )
         if changes.changed != changes.expected:
             log.warning(
                 "colosync: update %d changed %d of the %d %s its manifest names",
@@ -398,6 +459,10 @@ class VllmTarget(EngineTarget):
             runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         finally:
             del model.load_weights
+            named.clear()
+        if self._host.disown_if_aliased([*model.parameters(), *model.buffers()]):
+            log.info("colosync: vLLM kept staged tensors as weights; the next full update stages afresh")
+        return_cached(self._device)  # what the reload materialized per layer goes back to the driver
         layers = {name.replace(".base_layer.", ".").rpartition(".")[0] for name in loaded}
         self._refresh_tied(model, layers)
         if self._served is not None:
@@ -505,6 +570,7 @@ class ColosyncWorkerExtension:
             committed_update_id=state.receiver.committed_update_id,
             lora_update_id=target.lora_update_id,
             serving=state.receiver.status().serving,
+            last_full=target.last_full,
         )
         return msgspec.msgpack.encode(info)
 
@@ -523,5 +589,6 @@ __all__ = [
     "VllmTarget",
     "WORKER_EXTENSION",
     "WorkerInfo",
+    "loaded_layers",
     "placed_lora_modules",
 ]
