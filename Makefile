@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.colosync-installed
 
-.PHONY: demo lint test test-gpu venv clean
+.PHONY: demo lint test test-gpu mutate venv clean
 
 venv: $(STAMP)
 
@@ -37,5 +37,12 @@ test: lint
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests
 
+# Mutation testing of the core with mutmut (benchmarks/mutation/README.md); resumes where the last run
+# stopped. mutmut is installed on demand (the `mutate` extra), not by `make test`.
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	$(PIP) install -q -e ".[mutate]"
+	$(PY) benchmarks/mutate.py --record $(MUTATE_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache .mutation

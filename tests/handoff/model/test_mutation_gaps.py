@@ -101,3 +101,154 @@ def test_a_mode_whose_configuration_is_invalid_is_listed_as_rejected_with_its_re
     for mode, why in result.rejected.items():
         assert mode not in result.simulations and why
     assert json.loads(json.dumps(result.to_dict()))["rejected"] == result.rejected
+
+
+# -- the runtime's budget invariants (colosync.handoff.runtime.executor), checked on one measurement ---------
+def _context(
+    host_abs: int = 0,
+    device: int = 0,
+    *,
+    host_copies: int = 0,
+    sizes=None,
+    reserved: int = 0,
+    held=(),
+    step: str = "step",
+    moment: str = "peak",
+    expected_held=(),
+    report=None,
+    effect=None,
+):
+    from colosync.handoff.runtime.executor import CheckContext, Measurement
+
+    m = Measurement(host_copies=host_copies, host_abs=host_abs, device=device, logical_host=0, held=frozenset(held))
+    return CheckContext(
+        plan=build_plan(peak_device="gpu"),
+        phase="init",
+        index=1,
+        step=step,
+        moment=moment,
+        measurement=m,
+        expected_held=frozenset(expected_held),
+        expected_host_copies=0,
+        expected_host_copies_max=reserved,
+        expected_device=0,
+        sizes=dict(sizes or {}),
+        device_baseline=0,
+        device_measured=True,
+        report=report,
+        expected_effect=effect,
+    )
+
+
+def test_host_and_device_budgets_allow_memory_filled_to_the_byte_and_not_one_more():
+    from colosync.handoff.runtime.executor import DeviceBudget, HostBudget
+
+    limit = 3 * GB
+    assert HostBudget(limit).check(_context(limit, 10 * limit)) is None
+    assert DeviceBudget(limit).check(_context(10 * limit, limit)) is None
+    over_host = HostBudget(limit).check(_context(limit + 1, 0))
+    over_device = DeviceBudget(limit).check(_context(0, limit + 1))
+    assert over_host and "host anon+shmem" in over_host and "budget" in over_host
+    assert over_device and "device memory" in over_device
+
+
+def test_one_host_copy_passes_the_measured_check_whichever_copy_is_the_larger():
+    """The measured half of no-coexisting-host-copies: one copy (mirror *or* backup) fits, both do not."""
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.runtime.executor import NoCoexistingHostCopies
+
+    check = NoCoexistingHostCopies(tolerance=0.05, slack_bytes=0)
+    sizes = {Region.ENGINE_MIRROR: 1 * GB, Region.TRAINER_BACKUP: 2 * GB}
+    assert check.check(_context(host_copies=2 * GB, sizes=sizes)) is None  # the backup alone
+    broken = check.check(_context(host_copies=3 * GB, sizes=sizes))  # both
+    assert broken and "two copies coexist on the host" in broken
+    both_held = check.check(_context(sizes=sizes, held=(Region.ENGINE_MIRROR, Region.TRAINER_BACKUP)))
+    assert both_held and "are both on the host" in both_held
+
+
+def test_a_host_pool_reserved_up_front_is_not_mistaken_for_two_copies():
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.runtime.executor import NoCoexistingHostCopies
+
+    check = NoCoexistingHostCopies(tolerance=0.05, slack_bytes=0)
+    sizes = {Region.ENGINE_MIRROR: 1 * GB, Region.TRAINER_BACKUP: 1 * GB}
+    assert check.check(_context(host_copies=2 * GB, sizes=sizes, reserved=2 * GB)) is None
+    assert check.check(_context(host_copies=2 * GB, sizes=sizes, reserved=0)) is not None
+
+
+def test_a_plan_without_a_trainer_backup_checks_the_mirror_alone():
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.runtime.executor import NoCoexistingHostCopies
+
+    check = NoCoexistingHostCopies(tolerance=0.05, slack_bytes=0)
+    assert check.check(_context(host_copies=1 * GB, sizes={Region.ENGINE_MIRROR: 1 * GB})) is None
+    assert check.check(_context(host_copies=2 * GB, sizes={Region.ENGINE_MIRROR: 1 * GB})) is not None
+
+
+def test_measured_host_copies_may_exceed_the_simulated_peak_by_the_tolerance_and_no_more():
+    from colosync.handoff.runtime.executor import WithinSimulation, default_invariants
+
+    check = WithinSimulation(tolerance=0.05, host_slack_bytes=0, device_slack_bytes=0)
+    assert check.check(_context(host_copies=int(10.4 * GB), reserved=10 * GB)) is None
+    over = check.check(_context(host_copies=int(10.6 * GB), reserved=10 * GB))
+    assert over and "exceed the simulated peak" in over
+    # the executor's default set applies the tolerance and slack it is given
+    (within,) = [
+        i
+        for i in default_invariants(build_plan(peak_device="gpu"), tolerance=0.05, host_slack_bytes=0)
+        if i.name == "within-simulation"
+    ]
+    assert within.check(_context(host_copies=int(10.4 * GB), reserved=10 * GB)) is None
+    assert within.check(_context(host_copies=int(10.6 * GB), reserved=10 * GB)) is not None
+
+
+def test_an_undeclared_checkpoint_load_is_not_compared_but_a_declared_one_is():
+    from colosync.handoff.model.ops import Op, Region
+    from colosync.handoff.runtime.executor import WithinSimulation
+
+    check = WithinSimulation(tolerance=0.05, host_slack_bytes=0, device_slack_bytes=0)
+    load = Op.TRAINER_LOAD.value
+    assert check.check(_context(host_copies=5 * GB, reserved=1 * GB, step=load)) is None
+    declared = {Region.TRAINER_LOAD: 2 * GB}
+    assert check.check(_context(host_copies=5 * GB, reserved=1 * GB, step=load, sizes=declared)) is not None
+
+
+def test_matches_plan_compares_only_regions_that_have_a_size():
+    """A region of size zero or unknown cannot be seen by measuring, so it is neither required nor refused."""
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.runtime.executor import MatchesPlan
+
+    w, kv, mirror = Region.ENGINE_WEIGHTS, Region.ENGINE_KV, Region.ENGINE_MIRROR
+    sizes = {w: 1 * GB, kv: 0}
+    ok = _context(moment="after", sizes=sizes, expected_held=(w, kv, mirror), held=(w,))
+    assert MatchesPlan().check(ok) is None
+    missing = MatchesPlan().check(_context(moment="after", sizes=sizes, expected_held=(w,), held=()))
+    assert missing and "missing" in missing
+    assert MatchesPlan().check(_context(moment="peak", sizes=sizes, expected_held=(w,), held=())) is None
+
+
+def test_a_step_the_plan_expects_to_allocate_must_not_report_nothing_to_do():
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.runtime.executor import MatchesPlan
+    from colosync.handoff.runtime.participants import OpReport
+
+    w = Region.ENGINE_WEIGHTS
+    noop = OpReport(participant="engine", op="engine.onload_weights", noop=True)
+    did = OpReport(participant="engine", op="engine.onload_weights")
+    ctx = dict(moment="after", sizes={w: 1 * GB}, expected_held=(w,), held=(w,), effect=(frozenset({w}), frozenset()))
+    broken = MatchesPlan().check(_context(**ctx, report=noop))
+    assert broken and "reported nothing to do" in broken
+    assert MatchesPlan().check(_context(**ctx, report=did)) is None
+
+
+@pytest.mark.parametrize("options", [{"peak_device": "cpu"}, {"peak_device": "gpu"}, {"engine_weight_backup": False}])
+def test_a_built_plan_round_trips_through_json_as_data(options):
+    """A handoff is a plan, not a code path: it can be written out and read back, typed, unchanged."""
+    import msgspec
+
+    from colosync.handoff.model.plans import Plan
+
+    plan = build_plan(**options)
+    again = msgspec.json.decode(msgspec.json.encode(plan), type=Plan)
+    assert again == plan
+    assert all(isinstance(step.why, str) for phase in plan.phases for step in phase.steps)
