@@ -118,7 +118,8 @@ class HFEngine(HostedTarget):
             changed = len(prepared.values)
             try:
                 with torch.no_grad():  # host -> device straight into the served weights, no device copy
-                    torch._foreach_copy_(prepared.params, prepared.values, non_blocking=True)
+                    if prepared.params:  # (an empty update changes nothing; _foreach_copy_ refuses empty lists)
+                        torch._foreach_copy_(prepared.params, prepared.values, non_blocking=True)
                 return_cached(self.device)  # waits for the copies: the area may be reused after this
             finally:
                 prepared.values.clear()

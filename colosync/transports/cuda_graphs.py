@@ -103,7 +103,9 @@ class GraphCache:
             work()
             self.counts["eager"] += 1
             return "eager"
-        step = self.step(key() if callable(key) else key)
+        if callable(key):
+            key = key()
+        step = self.step(key)
         if step == "replay":
             self._entries[key].replay()
         elif step == "capture":

@@ -159,3 +159,11 @@ def test_corrupted_bytes_fail_the_fingerprint(hf_engine, sender, trainer, served
         link.submit(Stage(uid, 0, 0, sizes[0], 0, wrong)).wait()
     with pytest.raises(TransactionStateError, match="was aborted"):
         link.submit(Commit(uid)).wait()
+
+
+def test_an_empty_update_commits_and_changes_nothing(hf_engine, sender):
+    """``push([])`` is how a trainer attaches the transport before a measured window; it must commit."""
+    before = hf_engine.call(Generate(PROMPTS, NEW))
+    report = sender.push([])
+    assert report.tensors == 0 and report.update_id > 0
+    assert hf_engine.call(Generate(PROMPTS, NEW)).tokens == before.tokens
