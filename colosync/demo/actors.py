@@ -1,21 +1,31 @@
-"""The demo's trainer as a Ray actor: a PEFT policy, its optimizer, and a Sender to the engine.
+"""The demo's trainer: a PEFT policy, its optimizer, a Sender to the engine, and its memory.
 
+One class for both launchers: a Ray actor (``ray.remote(TrainerActor)``) or a plain process
+(``colosync.demo.launch.ActorProcess``), so the same code trains, scores and pushes either way.
 It holds the model the engine must match, so it also scores the parity probe with the same
-decoding code the hf engine uses.
+decoding code the hf engine uses. With ``handoff=True`` the model is not built here but by the
+plan's ``trainer.load`` (a ``TorchTrainerMemory`` served through ``handoff``), so the
+controller's executor sees the load, the sleeps and the wake-ups as they happen.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 from typing import Any
 
 import msgspec
 import torch
 
-from colosync.engines.ray_actor import RayLink, memory_sample
+from colosync.engines.ray_actor import memory_sample
 
 
 class TrainerActor:
-    """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step."""
+    """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step.
+
+    ``engine``: a Ray actor handle of the engine, or the msgpack bytes of an ``EngineAddress``
+    (an ``EngineProcess``'s socket).
+    """
 
     def __init__(
         self,
@@ -30,29 +40,77 @@ class TrainerActor:
         device: str,
         threads: int = 0,
         entropy_coef: float = 0.0,
+        handoff: bool = False,
     ) -> None:
-        from peft import LoraConfig, get_peft_model
-
-        from colosync.demo.models import LORA_TARGETS, load_model
         from colosync.sync.sender import Sender
 
         if threads:
             torch.set_num_threads(threads)
-        torch.manual_seed(seed)
+        self.model_dir, self.rank, self.alpha, self.lr, self.seed = model_dir, rank, alpha, lr, seed
         self.device = torch.device(device)
         self.entropy_coef = entropy_coef
-        base = load_model(model_dir, self.device)
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._service: Any = None
+        self.sender = Sender(_engine_link(engine, engine_name), transport=transport)
+        if handoff:
+            self._warm_up()  # CUDA context, kernels, lazy imports: before the executor's baseline
+        else:
+            self._load()
+
+    # -- the model --------------------------------------------------------------------------
+    def _build(self) -> tuple[Any, torch.optim.Optimizer]:
+        from peft import LoraConfig, get_peft_model
+
+        from colosync.demo.models import LORA_TARGETS, load_model
+
+        torch.manual_seed(self.seed)
         config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float alpha works (scale alpha/r)
+            r=self.rank,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float alpha works (scale alpha/r)
             target_modules=list(LORA_TARGETS),
             lora_dropout=0.0,
         )
-        self.model = get_peft_model(base, config).eval()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(params, lr=lr)
-        self.sender = Sender(RayLink(engine, engine_name), transport=transport)
+        model = get_peft_model(load_model(self.model_dir, self.device), config).eval()
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.Adam(params, lr=self.lr)
 
+    def _load(self) -> tuple[Any, torch.optim.Optimizer]:
+        self.model, self.optimizer = self._build()
+        return self.model, self.optimizer
+
+    def _warm_up(self) -> None:
+        """One throwaway step on a throwaway copy, so what the first real step allocates once
+        (CUDA context and libraries, autograd, optimizer imports) is there before the plan runs."""
+        from colosync.demo.rl import policy_gradient_step
+        from colosync.handoff.runtime.sampling import trim_host_allocator
+
+        model, optimizer = self._build()
+        policy_gradient_step(model, optimizer, [[1, 3, 4]], [[5, 6]], [[1.0, -1.0]], self.entropy_coef)
+        del model, optimizer
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        trim_host_allocator()
+
+    def planned_sizes(self) -> dict[str, int]:
+        """``backup``: what this trainer's sleep moves to the host (weights, buffers, the LoRA's two
+        Adam moments); ``lora``: the bytes of one push. Counted on a model built on the meta device."""
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from colosync.demo.models import LORA_TARGETS
+
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
+            config = LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(LORA_TARGETS))  # type: ignore[arg-type]
+            model = get_peft_model(base, config)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        nbytes += sum(b.numel() * b.element_size() for b in model.buffers())
+        lora = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return {"backup": nbytes + 2 * lora, "lora": lora}
+
+    # -- the step -----------------------------------------------------------------------------
     def push(self) -> bytes:
         return msgspec.msgpack.encode(self.sender.push_peft(self.model))
 
@@ -62,6 +120,7 @@ class TrainerActor:
         """One policy-gradient step; ``advantages`` has one value per completion token."""
         from colosync.demo.rl import policy_gradient_step
 
+        assert self.optimizer is not None, "the trainer is not loaded (the plan's init phase loads it)"
         return policy_gradient_step(
             self.model, self.optimizer, prompts, completions, advantages, entropy_coef=self.entropy_coef
         )
@@ -71,8 +130,39 @@ class TrainerActor:
 
         return score(self.model, prompts, completions)
 
+    # -- memory -------------------------------------------------------------------------------
+    def handoff(self, data: bytes) -> bytes:
+        """This trainer's memory operations for a ``HandoffExecutor`` elsewhere: msgpack requests
+        in, msgpack replies out (``BytesMemoryLink`` on the controller's side)."""
+        if self._service is None:
+            from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
+            from colosync.handoff.runtime.remote import MemoryService, serve_bytes
+
+            service = MemoryService(
+                factory=lambda pool: TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
+            )
+            self._service = (service, serve_bytes(service))
+        reply: bytes = self._service[1](data)
+        return reply
+
     def memory(self) -> dict[str, int]:
         return memory_sample(self.device)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def close(self) -> None:
         self.sender.close()
+        if self._service is not None:
+            self._service[0].close()
+
+
+def _engine_link(engine: Any, engine_name: str) -> Any:
+    if isinstance(engine, bytes):
+        from colosync.engines.config import EngineAddress
+        from colosync.engines.process import connect
+
+        return connect(msgspec.msgpack.decode(engine, type=EngineAddress), engine_name, "trainer")
+    from colosync.engines.ray_actor import RayLink
+
+    return RayLink(engine, engine_name)

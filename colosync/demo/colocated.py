@@ -1,0 +1,108 @@
+"""The demo's memory handoff: one plan, one host arena, one executor for the whole job.
+
+The engine and the trainer live in their own processes (``colosync.demo.launch``); this
+process is the controller. It sizes one node-wide ``HostArena`` from the plan (pinned once
+for the job), has both participants map it, and runs each phase of the plan through a
+``HandoffExecutor`` that measures every process's host memory and the device while it runs,
+so the per-step table shows each handoff's seconds and peaks against what the plan expects
+and every broken invariant. The weight sync is the plan's ``sync.weights`` step inside
+``train_to_rollout``: the trainer pushes its LoRA once the engine's weights are back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from colosync.demo.launch import Cluster
+from colosync.handoff import Region, build_plan
+from colosync.handoff.backends.arena import HostArena
+from colosync.handoff.model.simulator import HandoffSizes
+from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.participants import WeightSync
+from colosync.sync.sender import SyncReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PhaseStats:
+    """One phase of the plan as it ran."""
+
+    phase: str
+    seconds: float
+    host_copies_peak_bytes: int  # measured over every process, above the baseline
+    plan_host_copies_bytes: int  # the most the plan expects at any of the phase's steps
+    device_peak_bytes: int
+    sync_seconds: float = 0.0  # the sync.weights step (train_to_rollout only)
+    steps: list[str] = field(default_factory=list)  # the operations, in order
+    violations: list[str] = field(default_factory=list)
+
+
+class Colocated:
+    """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (see module docstring)."""
+
+    def __init__(self, cluster: Cluster, peak_device: str, pin: Any = "auto") -> None:
+        self.plan = build_plan(peak_device=peak_device, sync=True)
+        engine_sizes = cluster.engine_memory(pin="none").region_bytes()  # a private pool, to read its sizes
+        planned = cluster.trainer.call("planned_sizes")
+        lora, backup = int(planned["lora"]), int(planned["backup"])
+        self.sizes = HandoffSizes(
+            engine_weight_bytes=engine_sizes[Region.ENGINE_MIRROR] + lora,  # + the adapter the first sync installs
+            engine_kv_bytes=engine_sizes.get(Region.ENGINE_KV, 0),
+            trainer_resident_bytes=backup + lora,
+            trainer_backup_bytes=backup,
+            trainer_grad_buffer_bytes=lora,
+            sync_kind="lora",
+            sync_bytes=lora,
+            sync_transport="shm" if cluster.device.type == "cpu" else "cuda_ipc",
+        )
+        self.arena = HostArena.for_plan(self.plan, self.sizes.region_bytes(), pin=pin)  # pinned once per job
+        try:
+            engine = cluster.engine_memory(arena=self.arena, pin=pin)
+            trainer = cluster.trainer_memory(arena=self.arena, pin=pin)
+            self.arena.seal()  # both processes mapped it: nothing left to leak
+            self.sync = WeightSync(
+                lambda _mark: msgspec.msgpack.decode(cluster.trainer.call("push"), type=SyncReport),
+                self.sizes.sync_region_bytes(),
+                device_type=cluster.device.type,
+            )
+            self.executor = HandoffExecutor(
+                trainer, engine, sync=self.sync, pools=[self.arena.pool()], watch_interval_s=0.005, fail_fast=False
+            )
+        except BaseException:
+            self.arena.close()
+            raise
+        log.info("handoff: %s plan, arena of %.1f MB", peak_device, self.arena.nbytes / 1e6)
+
+    def phase(self, name: str) -> PhaseStats:
+        """Run one phase; its seconds, peaks against the plan, and broken invariants."""
+        result = self.executor.result
+        first_record = len(result.records) if result is not None else 0
+        first_violation = len(result.violations) if result is not None else 0
+        result = self.executor.run_phase(self.plan, name)
+        records = result.records[first_record:]
+        return PhaseStats(
+            phase=name,
+            seconds=sum(r.seconds for r in records),
+            host_copies_peak_bytes=max((r.host_peak for r in records), default=0),
+            plan_host_copies_bytes=max((r.expected_host_peak for r in records), default=0),
+            device_peak_bytes=max((r.device_peak for r in records), default=0),
+            sync_seconds=sum(r.seconds for r in records if r.report.participant == "sync"),
+            steps=[r.step for r in records],
+            violations=[str(v) for v in result.violations[first_violation:]],
+        )
+
+    @property
+    def last_sync(self) -> SyncReport | None:
+        report = self.sync.last_result
+        return report if isinstance(report, SyncReport) else None
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+__all__ = ["Colocated", "PhaseStats"]
