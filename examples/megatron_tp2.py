@@ -47,6 +47,7 @@ def train_rank(rank, model_dir, address):
     if sender is not None:
         sender.close()
         print(f"rank {rank}: update {report.update_id}, {report.tensors} HF tensors in {report.buckets} buckets")
+    dist.barrier()  # leave together: a rank that tears its group down early can abort its peer
     dist.destroy_process_group()
 
 

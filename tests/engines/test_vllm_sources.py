@@ -44,6 +44,7 @@ def rank_one(store: str, model_dir: Path, bucket_bytes: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=1, world_size=2)
     try:
         FsdpSource(sharded_peft(model_dir), kind="lora", bucket_bytes=bucket_bytes).push(None)
+        dist.barrier()  # leave together (a rank that tears its group down early can abort its peer)
     finally:
         dist.destroy_process_group()
 
@@ -60,6 +61,7 @@ def test_an_fsdp2_lora_gathered_over_two_ranks_matches_peft_in_vllm(
     try:
         source = FsdpSource(sharded_peft(vllm_model_dir), kind="lora", bucket_bytes=vllm_sender.bucket_bytes)
         report = source.push(vllm_sender)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
         peer.join(timeout=120)
