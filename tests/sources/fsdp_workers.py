@@ -13,47 +13,21 @@ import atexit
 import contextlib
 import importlib.util
 import math
-import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tests import worlds
+
 # -- worlds ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        torch.set_num_threads(1)  # two shared cores: one compute thread per rank
-        dist.init_process_group(backend, rank=rank, world_size=size)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        return
-    while (task := tasks.get()) is not None:
-        target, args = task
-        try:
-            results.put((rank, True, target(rank, size, *args)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+def _one_compute_thread() -> None:
+    torch.set_num_threads(1)  # two shared cores: one compute thread per rank
 
 
 # Forkserver is one per process: when the Megatron tests' world starts it first, its preload
@@ -72,67 +46,12 @@ PRELOAD = [
 ]
 
 
-class World:
-    """``size`` ranks joined by one process group, reused across tests; torn down after a failure."""
+class World(worlds.World):
+    """A ``tests.worlds.World`` whose ranks run one compute thread each, forked from a forkserver
+    that imported FSDP2, transformers, PEFT and the sources once."""
 
     def __init__(self, size: int, backend: str = "gloo") -> None:
-        self.size, self.backend = size, backend
-        self._procs: list[Any] = []
-
-    def _start(self) -> None:
-        if self.backend == "gloo":
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
-        else:
-            ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.size)]
-        port = free_port()
-        self._procs = [
-            ctx.Process(target=_serve, args=(r, self.size, port, self.backend, self._tasks[r], self._results))
-            for r in range(self.size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    def run(self, target: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
-        """``target(rank, size, *args)`` on every rank; results by rank. Fails naming every failed rank."""
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close(kill=True)
-            self._start()
-        for q in self._tasks:
-            q.put((target, args))
-        results: dict[int, Any] = {}
-        failures = []
-        try:
-            deadline = time.monotonic() + timeout_s
-            for _ in range(self.size):
-                rank, ok, payload = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
-                if ok:
-                    results[rank] = payload
-                else:
-                    failures.append(f"rank {rank} failed:\n{payload}")
-        except BaseException as exc:
-            self.close(kill=True)
-            missing = sorted(set(range(self.size)) - set(results))
-            raise AssertionError(
-                f"ranks {missing} did not finish within {timeout_s}s (hung?)\n" + "\n".join(failures)
-            ) from exc
-        if failures:
-            self.close(kill=True)
-            raise AssertionError("\n".join(failures))
-        return [results[r] for r in range(self.size)]
-
-    def close(self, kill: bool = False) -> None:
-        for p, q in zip(self._procs, getattr(self, "_tasks", []), strict=False):
-            if not kill and p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=1 if kill else 20)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        self._procs = []
+        super().__init__(size, backend, preload=PRELOAD, set_up=_one_compute_thread)
 
 
 _SHARED: dict[tuple[int, str], World] = {}

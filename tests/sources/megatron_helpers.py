@@ -22,15 +22,13 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import os
-import socket
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from tests import worlds
 
 Convention = Literal["peft", "nemo"]
 LORA_NAMES: Mapping[Convention, tuple[str, str]] = {
@@ -133,27 +131,6 @@ consecutive layers (the 2-layer variants) hold one of each."""
 # -- worlds ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_rank(rank: int, world: int, port: int, backend: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-        NVSHMEM_DISABLE_NVLS="1",
-    )
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-
-
 def _reset_megatron() -> None:
     with contextlib.suppress(Exception):
         from megatron.core import parallel_state
@@ -161,87 +138,18 @@ def _reset_megatron() -> None:
         parallel_state.destroy_model_parallel()
 
 
-def _serve(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
-    """A rank of a long-lived world: run each task it is given, report, repeat."""
-    import torch.distributed as dist
-
-    try:
-        _init_rank(rank, world, port, backend)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        return
-    while (task := tasks.get()) is not None:
-        target, args = task
-        try:
-            results.put((rank, True, target(rank, world, *args)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-        finally:
-            _reset_megatron()
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-class World:
-    """``size`` spawned ranks joined by one process group, reused across tests.
-
-    Starting a rank costs seconds (megatron-core imports torch's compiler stack), so the
-    tests share one world and run each scenario as a task on every rank. A task that fails
-    or times out on any rank may leave the others inside a collective: the world is then
-    torn down, and the next ``run`` starts a fresh one.
-    """
+class World(worlds.World):
+    """A ``tests.worlds.World`` for the Megatron tests: the forkserver imports megatron-core once
+    (instead of each rank paying the multi-second import on shared cores), and Megatron's
+    parallel state is reset after every task."""
 
     def __init__(self, size: int, backend: str = "gloo") -> None:
-        self.size, self.backend = size, backend
-        self._procs: list[Any] = []
-
-    def _start(self) -> None:
-        if self.backend == "gloo":
-            # forkserver: the server imports megatron-core once and forks every rank from it,
-            # instead of each spawned rank paying the same multi-second import on shared cores
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "megatron.core.models.gpt.gpt_model", "colosync.sources.megatron"])
-        else:  # CUDA ranks: never fork a process that may have touched the driver
-            ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.size)]
-        port = free_port()
-        self._procs = [
-            ctx.Process(target=_serve, args=(r, self.size, port, self.backend, self._tasks[r], self._results))
-            for r in range(self.size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    def run(self, target: Callable[..., Any], *args: Any, timeout_s: float = 240.0) -> list[Any]:
-        """``target(rank, size, *args)`` on every rank; results by rank."""
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close()
-            self._start()
-        for q in self._tasks:
-            q.put((target, args))
-        results: dict[int, Any] = {}
-        try:
-            for _ in range(self.size):
-                rank, ok, payload = self._results.get(timeout=timeout_s)
-                if not ok:
-                    raise AssertionError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
-        except BaseException:
-            self.close(kill=True)
-            raise
-        return [results[r] for r in range(self.size)]
-
-    def close(self, kill: bool = False) -> None:
-        for p, q in zip(self._procs, getattr(self, "_tasks", []), strict=False):
-            if not kill and p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=1 if kill else 30)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        self._procs = []
+        super().__init__(
+            size,
+            backend,
+            preload=["torch", "megatron.core.models.gpt.gpt_model", "colosync.sources.megatron"],
+            after_task=_reset_megatron,
+        )
 
 
 def run_world(
