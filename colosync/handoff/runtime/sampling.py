@@ -89,32 +89,28 @@ class DeviceSample:
     """Bytes torch's caching allocator holds in this process."""
 
 
-def _status_fields(pid: int | str) -> dict[str, int] | None:
+def _kb_fields(path: str, keys: tuple[bytes, ...]) -> dict[str, int] | None:
+    """The ``Key:  N kB`` lines of a /proc file named by ``keys``, in bytes (None: unreadable)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None
     out = {}
     for line in data.split(b"\n"):
-        if line.startswith((b"VmRSS:", b"RssAnon:", b"RssShmem:", b"RssFile:")):
+        if line.startswith(keys):
             key, value = line.split(b":", 1)
             out[key.decode()] = int(value.split()[0]) * 1024
     return out
 
 
+def _status_fields(pid: int | str) -> dict[str, int] | None:
+    return _kb_fields(f"/proc/{pid}/status", (b"VmRSS:", b"RssAnon:", b"RssShmem:", b"RssFile:"))
+
+
 def _pss_fields(pid: int | str) -> dict[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    out = {}
-    for line in data.split(b"\n"):
-        if line.startswith((b"Rss:", b"Pss_Anon:", b"Pss_Shmem:")):
-            key, value = line.split(b":", 1)
-            out[key.decode()] = int(value.split()[0]) * 1024
-    return out if "Pss_Anon" in out else None
+    out = _kb_fields(f"/proc/{pid}/smaps_rollup", (b"Rss:", b"Pss_Anon:", b"Pss_Shmem:"))
+    return out if out is not None and "Pss_Anon" in out else None
 
 
 def _node_anon_shmem() -> tuple[int, int]:
