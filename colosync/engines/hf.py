@@ -94,6 +94,11 @@ class HFEngine(HostedTarget):
     def model_spec(self) -> ModelSpec:
         return self._spec
 
+    def stage_full_updates_in(self, pool: Any) -> None:
+        """Stage full updates in ``pool`` (the handoff's host pool: the shared arena in a colocated
+        job), one lease per update, instead of a pinned area of the engine's own."""
+        self._host.use_pool(pool)
+
     def staging(self, manifest: UpdateManifest) -> Staging | None:
         return self._host.lend(manifest) if manifest.kind == "full" else None
 

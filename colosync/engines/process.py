@@ -105,9 +105,13 @@ def engine_memory_factory(engine: object) -> Callable[[HostPool], MemoryParticip
     """How a served engine's memory becomes an ``EngineMemory`` once its host pool is known:
     the engine's own ``memory_participant(pool)`` when it has one, vLLM's sleep mode for an
     engine holding an ``llm`` (vLLM keeps its own host buffers), else ``TorchEngineMemory``
-    over its ``model`` (the hf engine)."""
+    over its ``model`` (the hf engine). An engine with ``stage_full_updates_in(pool)`` stages
+    its full updates in that pool too (the shared arena, when the controller made one)."""
 
     def build(pool: HostPool) -> MemoryParticipant:
+        stage_in = getattr(engine, "stage_full_updates_in", None)
+        if callable(stage_in):
+            stage_in(pool)  # a full update waits for its commit in the same (shared, pinned) pages
         own = getattr(engine, "memory_participant", None)
         if callable(own):
             participant: MemoryParticipant = own(pool)

@@ -10,10 +10,11 @@ tensor, the expectation and the fix.
 from __future__ import annotations
 
 import abc
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -29,6 +30,8 @@ from colosync.errors import (
 )
 from colosync.wire.bucket import typed_views
 from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ class Staging:
     buckets: Sequence[torch.Tensor] | None = None
 
 
+class HostLeaser(Protocol):
+    """Host memory to borrow a staging area from: the handoff's ``HostPool`` or the node's
+    shared arena (``colosync.handoff.backends``), seen from this layer by shape only."""
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def lease(self, owner: str, nbytes: int) -> Any: ...  # ``.chunks``: uint8 tensors; ``.release()``
+
+
+STAGING_ALIGN = 4096  # where each bucket starts inside a leased chunk
+
+
 class HostStaging:
     """A full update's landing place in host memory, lent to the Receiver through ``staging()``.
 
@@ -95,20 +111,35 @@ class HostStaging:
     of the same layout (one update is in flight at a time: a new Begin ends the old one
     before it asks for staging); without it (an engine on the CPU, where the area would be
     memory the model itself needs) it is freed when the update ends.
+
+    With a ``pool`` (``use_pool``: the engine's handoff pool, the shared arena in a colocated
+    job) the area is a lease of its already pinned chunks, taken for one update and given
+    back when it ends: the sync runs while neither host copy exists, so a full update's
+    staging takes its turn in the same pages as the engine's mirror and the trainer's backup
+    instead of pinning memory of its own.
     """
 
-    def __init__(self, keep: bool, pin: bool | None = None) -> None:
+    def __init__(self, keep: bool, pin: bool | None = None, pool: HostLeaser | None = None) -> None:
         self.keep = keep
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pool = pool
         self._layout: Any = None
         self._staging: Staging | None = None
+        self._lease: Any = None
+
+    def use_pool(self, pool: HostLeaser | None) -> None:
+        """Lend from ``pool`` from the next update on (``None``: allocate again)."""
+        self.release()
+        self.pool = pool
 
     def lend(self, manifest: UpdateManifest) -> Staging:
         """Per-bucket host buffers for ``manifest`` and typed views of its tensors inside them."""
         if self._staging is not None and self._layout == manifest.layout:
             return self._staging
         self.release()
-        flats = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for size in manifest.bucket_sizes]
+        flats = self._leased(manifest.bucket_sizes) if self.pool is not None else None
+        if flats is None:
+            flats = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for size in manifest.bucket_sizes]
         members: list[list[TensorMeta]] = [[] for _ in flats]
         for t in manifest.tensors:
             members[t.bucket].append(t)
@@ -121,13 +152,37 @@ class HostStaging:
         self._layout = manifest.layout
         return self._staging
 
+    def _leased(self, sizes: Sequence[int]) -> list[torch.Tensor] | None:
+        """One bucket per slice of the pool's chunks, none straddling two; None if a bucket
+        is larger than a chunk (then the area is allocated as without a pool)."""
+        assert self.pool is not None
+        chunk = self.pool.chunk_bytes
+        if any(size > chunk for size in sizes):
+            log.warning("host staging: a bucket exceeds the pool's %d-byte chunks; allocating the area", chunk)
+            return None
+        places, index, offset = [], 0, 0
+        for size in sizes:
+            if offset + size > chunk:
+                index, offset = index + 1, 0
+            places.append((index, offset))
+            offset = -(-(offset + size) // STAGING_ALIGN) * STAGING_ALIGN
+        self._lease = self.pool.lease("engine.sync_staging", (index + 1) * chunk if sizes else 0)
+        chunks = self._lease.chunks
+        return [chunks[i][o : o + size] for (i, o), size in zip(places, sizes, strict=True)]
+
     def done(self) -> None:
-        """The update that used the area ended (committed or not): free it unless it is kept."""
-        if not self.keep:
+        """The update that used the area ended (committed or not): free it unless it is kept
+        (a pool's lease always goes back: the next host copy needs its pages)."""
+        if not self.keep or self._lease is not None:
             self.release()
 
     def release(self) -> None:
         self._staging, self._layout = None, None
+        if self._lease is not None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # no copy may still be landing in pages the pool lends on
+            self._lease.release()
+            self._lease = None
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside the area (the model must never alias it)."""

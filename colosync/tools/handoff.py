@@ -95,6 +95,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--sync-transport", choices=["shm", "cuda_ipc"], help="where the sync's slots live (default shm: host)"
     )
+    p.add_argument(
+        "--sync-staging",
+        choices=["device", "host"],
+        help="where a full sync waits for its commit (default device: staged + prepared on the engine's "
+        "device; host: a bounded full update, staged in the arena)",
+    )
     p.add_argument("--sync-bucket", type=parse_size, help="the sender's bucket (default 64MiB)")
     p.add_argument("--sync-slots", type=int, help="transport slots (default 2)")
     p.add_argument(
@@ -145,7 +151,11 @@ def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | No
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.sync is not None:
         overrides["sync_kind"], overrides["sync_bytes"] = args.sync
-    for flag, field in (("sync_transport", "sync_transport"), ("sync_bucket", "sync_bucket_bytes")):
+    for flag, field in (
+        ("sync_transport", "sync_transport"),
+        ("sync_bucket", "sync_bucket_bytes"),
+        ("sync_staging", "sync_staging"),
+    ):
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.sync_slots is not None:
@@ -237,7 +247,8 @@ def print_comparison(result: Any, *, why: bool = False) -> None:
         console.print(
             f"sync ({s.sync_kind}, {_gb(s.sync_bytes)} GB per GPU over {s.sync_transport}): transport slots "
             f"{_gb(sync[Region.SYNC_TRANSPORT])} GB host, staging {_gb(sync[Region.SYNC_STAGING])} GB + prepared "
-            f"{_gb(sync[Region.SYNC_PREPARED])} GB on the engine's device, during train→rollout's sync.weights"
+            f"{_gb(sync[Region.SYNC_PREPARED])} GB on the engine's device, host staging "
+            f"{_gb(sync[Region.SYNC_HOST_STAGING])} GB, during train→rollout's sync.weights"
         )
     for mode, sim in result.simulations.items():
         table = Table(title=f"peak_device={mode}  (GB; host per node, GPU per device)", title_justify="left")

@@ -44,6 +44,9 @@ class Region(StrEnum):
     """The weight sync's transport slots on the host (shared memory), only during the sync."""
     SYNC_STAGING = "sync.staging"
     """Device memory the engine's receiver lands the update in (plus device transport slots)."""
+    SYNC_HOST_STAGING = "sync.host_staging"
+    """Host memory a bounded full update lands in until commit (a lease of the shared arena
+    when there is one: the host copies are gone while the sync runs), only during the sync."""
     SYNC_PREPARED = "sync.prepared"
     """Device copies the engine prepares before it commits (a LoRA adapter beside the served
     one; a full update's prepared weights)."""
@@ -57,11 +60,15 @@ class Region(StrEnum):
         return self.value.split(".", 1)[0]
 
 
-_HOST_REGIONS = frozenset({Region.ENGINE_MIRROR, Region.TRAINER_BACKUP, Region.TRAINER_LOAD, Region.SYNC_TRANSPORT})
-SYNC_REGIONS = frozenset({Region.SYNC_TRANSPORT, Region.SYNC_STAGING, Region.SYNC_PREPARED})
+_HOST_REGIONS = frozenset(
+    {Region.ENGINE_MIRROR, Region.TRAINER_BACKUP, Region.TRAINER_LOAD, Region.SYNC_TRANSPORT, Region.SYNC_HOST_STAGING}
+)
+SYNC_REGIONS = frozenset({Region.SYNC_TRANSPORT, Region.SYNC_STAGING, Region.SYNC_PREPARED, Region.SYNC_HOST_STAGING})
 """What a weight sync holds while it runs, and frees by its end (commit frees the staging)."""
 HOST_COPIES = frozenset({Region.ENGINE_MIRROR, Region.TRAINER_BACKUP})
 """The two large host copies that ``peak_device='gpu'`` keeps from coexisting."""
+ARENA_REGIONS = HOST_COPIES | {Region.SYNC_HOST_STAGING}
+"""What lives in the shared host arena: the two copies and, between them, a full update's staging."""
 
 
 class Op(StrEnum):

@@ -21,7 +21,7 @@ import msgspec
 
 from colosync import workloads
 from colosync.errors import PlanError, SizesError
-from colosync.handoff.model.ops import HOST_COPIES, Place, Region, effect
+from colosync.handoff.model.ops import ARENA_REGIONS, HOST_COPIES, Place, Region, effect
 from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, PhaseName, Plan, build_plan, start_state
 
 R = Region
@@ -49,6 +49,7 @@ _IGNORED_KEYS = {"expect"}
 
 SYNC_KINDS = ("", "lora", "full")
 SYNC_TRANSPORTS = ("shm", "cuda_ipc")
+SYNC_STAGINGS = ("device", "host")
 
 _REQUIRED = ("engine_weight_bytes", "engine_kv_bytes", "trainer_resident_bytes", "trainer_backup_bytes")
 """The sizes every workload must give (per GPU, in bytes)."""
@@ -87,6 +88,11 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
     sync_bucket_bytes: int = 64 << 20
     """The sender's bucket (colosync's default 64 MiB); a smaller update is one bucket."""
     sync_slots: int = 2
+    sync_staging: str = "device"
+    """Where a full update waits for its commit: ``device`` (the receiver's staging and the
+    engine's prepared copy, twice the update on the engine's device) or ``host`` (a bounded
+    full update: host staging, in the shared arena when there is one, then one copy into the
+    served weights at commit; the device holds one bucket beside the transport's slots)."""
     name: str = ""
     description: str = ""
 
@@ -104,6 +110,11 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
             raise SizesError("give sync_kind and sync_bytes together (e.g. --sync full:16GB), or neither")
         if self.sync_transport not in SYNC_TRANSPORTS:
             raise SizesError(f"sync_transport must be one of {list(SYNC_TRANSPORTS)}, got {self.sync_transport!r}")
+        if self.sync_staging not in SYNC_STAGINGS or (self.sync_staging == "host" and self.sync_kind == "lora"):
+            raise SizesError(
+                f"sync_staging must be one of {list(SYNC_STAGINGS)} (host only for a full sync), got "
+                f"{self.sync_staging!r} with sync_kind {self.sync_kind!r}"
+            )
         if self.sync_bytes < 0 or self.sync_bucket_bytes <= 0 or self.sync_slots < 1:
             raise SizesError("sync_bytes must be >= 0, sync_bucket_bytes > 0 and sync_slots >= 1")
         if self.trainer_backup_bytes + self.trainer_grad_buffer_bytes > self.trainer_resident_bytes:
@@ -138,13 +149,22 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
         engine's device, and the engine's prepared copy (a LoRA adapter beside the served one,
         or a full update's prepared weights) -- so a full update needs twice its bytes free."""
         if not self.sync_bytes:
-            return {R.SYNC_TRANSPORT: 0, R.SYNC_STAGING: 0, R.SYNC_PREPARED: 0}
-        slots = min(self.sync_bucket_bytes, self.sync_bytes) * self.sync_slots
+            return {R.SYNC_TRANSPORT: 0, R.SYNC_STAGING: 0, R.SYNC_PREPARED: 0, R.SYNC_HOST_STAGING: 0}
+        bucket = min(self.sync_bucket_bytes, self.sync_bytes)
+        slots = bucket * self.sync_slots
         host_slots = slots if self.sync_transport == "shm" else 0
+        if self.sync_staging == "host":  # a bounded full update: one bucket on the device at a time
+            return {
+                R.SYNC_TRANSPORT: host_slots,
+                R.SYNC_STAGING: bucket + (slots - host_slots),
+                R.SYNC_PREPARED: 0,
+                R.SYNC_HOST_STAGING: self.sync_bytes,
+            }
         return {
             R.SYNC_TRANSPORT: host_slots,
             R.SYNC_STAGING: self.sync_bytes + (slots - host_slots),
             R.SYNC_PREPARED: self.sync_bytes,
+            R.SYNC_HOST_STAGING: 0,
         }
 
     def region_bytes(self) -> dict[Region, int]:
@@ -386,7 +406,8 @@ def arena_bytes(
     Walks the plan (init, then ``cycles`` rounds) with the operations' semantics; at each
     step's peak the held host copies (engine mirror, trainer backup) each take whole chunks
     of ``chunk_bytes`` (after ``slack_bytes`` for the alignment of their tensors). In
-    ``gpu`` mode that is the larger copy; in ``cpu`` mode both.
+    ``gpu`` mode that is the larger copy; in ``cpu`` mode both. A host-staged full update takes
+    its turn in the arena too (the copies are gone while the sync runs).
     """
     if chunk_bytes <= 0:
         raise SizesError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -396,10 +417,10 @@ def arena_bytes(
         return -(-(n + slack_bytes) // chunk_bytes) if n else 0
 
     held = start_state(plan.config, PhaseName.INIT)
-    need = sum(chunks(r) for r in held if r in HOST_COPIES)
+    need = sum(chunks(r) for r in held if r in ARENA_REGIONS)
     for phase in plan.schedule(cycles):
         for step in phase.steps:
             alloc, free = effect(step.op, held, step.backup)
-            need = max(need, sum(chunks(r) for r in held | alloc if r in HOST_COPIES))
+            need = max(need, sum(chunks(r) for r in held | alloc if r in ARENA_REGIONS))
             held = (held | alloc) - free
     return need * chunk_bytes

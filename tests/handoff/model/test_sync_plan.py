@@ -23,7 +23,16 @@ def test_plans_put_the_sync_where_both_weights_are_on_the_device():
     assert t2r("cpu") == ["engine.onload_weights", "sync.weights", "trainer.sleep", "engine.onload_kv"]
     assert "sync.weights" not in [s.label for s in build_plan(peak_device="gpu").phase("train_to_rollout").steps]
     step = build_plan(peak_device="gpu", sync=True).phase("train_to_rollout").steps[3]
-    assert set(step.allocates) == set(step.frees) == {Region.SYNC_TRANSPORT, Region.SYNC_STAGING, Region.SYNC_PREPARED}
+    assert (
+        set(step.allocates)
+        == set(step.frees)
+        == {
+            Region.SYNC_TRANSPORT,
+            Region.SYNC_STAGING,
+            Region.SYNC_PREPARED,
+            Region.SYNC_HOST_STAGING,
+        }
+    )
 
 
 def test_a_sync_while_the_trainer_sleeps_is_rejected():
@@ -50,6 +59,27 @@ def test_simulator_charges_a_full_sync_twice_its_bytes_plus_slots():
     via_ipc = HandoffSizes(**BASE, sync_kind="full", sync_bytes=16 * GB, sync_transport="cuda_ipc")
     row = next(r for r in simulate(build_plan(peak_device="gpu", sync=True), via_ipc).rows if r.step == "sync.weights")
     assert row.device_peak - row.device_before == 2 * 16 * GB + slots and row.host_peak == row.host_before
+
+
+def test_a_host_staged_full_sync_holds_one_bucket_on_the_device_and_takes_its_turn_in_the_arena():
+    from colosync.handoff.model.simulator import arena_bytes
+
+    bucket, chunk = 64 * MiB, 1 << 30
+    host = HandoffSizes(**BASE, sync_kind="full", sync_bytes=16 * GB, sync_transport="cuda_ipc", sync_staging="host")
+    for mode in ("gpu", "cpu"):
+        plan = build_plan(peak_device=mode, sync=True)
+        row = next(r for r in simulate(plan, host).rows if r.step == "sync.weights")
+        assert row.device_peak - row.device_before == bucket + 2 * bucket  # one bucket beside the two slots
+        assert row.host_peak - row.host_before == 16 * GB  # the staging, while neither copy exists
+        # the arena the copies need already holds the staging: it takes the engine mirror's turn
+        sizes = host.region_bytes()
+        assert arena_bytes(plan, sizes, chunk_bytes=chunk) == arena_bytes(
+            plan, {**sizes, Region.SYNC_HOST_STAGING: 0}, chunk_bytes=chunk
+        )
+    big = {**host.region_bytes(), Region.SYNC_HOST_STAGING: 200 * GB}  # larger than both copies
+    assert arena_bytes(build_plan(peak_device="gpu", sync=True), big, chunk_bytes=chunk) >= 200 * GB
+    with pytest.raises(SizesError, match="host only for a full sync"):
+        HandoffSizes(**BASE, sync_kind="lora", sync_bytes=GB, sync_staging="host")
 
 
 def test_simulator_lora_sync_and_compare_plans_it():
