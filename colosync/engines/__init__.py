@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "hf": "colosync.engines.hf:HFEngine",
     "store": "colosync.engines.store:StoreEngine",
+    "synthetic": "colosync.engines.synthetic:SyntheticEngine",
     "sink": "colosync.engines.sink:SinkEngine",
     "vllm": "colosync.engines.vllm.serving:VllmServing",
 }
