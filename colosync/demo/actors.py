@@ -20,7 +20,41 @@ import torch
 from colosync.engines.ray_actor import memory_sample
 
 
-class TrainerActor:
+class TrainerPlan(msgspec.Struct, frozen=True):
+    """What a trainer tells the controller's plan about itself, per GPU (``HandoffSizes`` terms)."""
+
+    backup: int  # what its sleep moves to the host
+    resident: int  # what it holds on the device awake (the backup, the grad buffer, the rest)
+    grad_buffer: int  # the part of ``resident`` freed without a backup
+    sync_kind: str  # ``lora`` or ``full``
+    sync_bytes: int  # the bytes of one push
+
+
+class MemoryServed:
+    """``handoff(data)``: a trainer actor's memory operations for a ``HandoffExecutor`` elsewhere
+    (msgpack requests in, replies out; ``BytesMemoryLink`` on the controller's side), served by
+    the ``TrainerMemory`` that ``trainer_memory(pool)`` builds."""
+
+    _service: Any = None
+
+    def trainer_memory(self, pool: Any) -> Any:
+        raise NotImplementedError
+
+    def handoff(self, data: bytes) -> bytes:
+        if self._service is None:
+            from colosync.handoff.runtime.remote import MemoryService, serve_bytes
+
+            service = MemoryService(factory=self.trainer_memory)
+            self._service = (service, serve_bytes(service))
+        reply: bytes = self._service[1](data)
+        return reply
+
+    def close_memory(self) -> None:
+        if self._service is not None:
+            self._service[0].close()
+
+
+class TrainerActor(MemoryServed):
     """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step.
 
     ``engine``: a Ray actor handle of the engine, or the msgpack bytes of an ``EngineAddress``
@@ -51,7 +85,6 @@ class TrainerActor:
         self.entropy_coef = entropy_coef
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._service: Any = None
         self.sender = Sender(_engine_link(engine, engine_name), transport=transport)
         if handoff:
             self._warm_up()  # CUDA context, kernels, lazy imports: before the executor's baseline
@@ -86,6 +119,10 @@ class TrainerActor:
         from colosync.handoff.runtime.sampling import trim_host_allocator
 
         model, optimizer = self._build()
+        # One sync too, of the fresh adapter (B = 0: the engine serves the base model): the first
+        # sync's one-time costs (the fused kernel's Triton JIT here and in the engine, the engine's
+        # PEFT import and first adapter, the transport's set-up) land before the baseline.
+        self.sender.push_peft(model)
         policy_gradient_step(model, optimizer, [[1, 3, 4]], [[5, 6]], [[1.0, -1.0]], self.entropy_coef)
         del model, optimizer
         gc.collect()
@@ -93,9 +130,9 @@ class TrainerActor:
             torch.cuda.empty_cache()
         trim_host_allocator()
 
-    def planned_sizes(self) -> dict[str, int]:
-        """``backup``: what this trainer's sleep moves to the host (weights, buffers, the LoRA's two
-        Adam moments); ``lora``: the bytes of one push. Counted on a model built on the meta device."""
+    def planned_sizes(self) -> TrainerPlan:
+        """The backup (weights, buffers, the LoRA's two Adam moments) and one push (the LoRA),
+        counted on a model built on the meta device."""
         from peft import LoraConfig, get_peft_model
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -108,7 +145,8 @@ class TrainerActor:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         nbytes += sum(b.numel() * b.element_size() for b in model.buffers())
         lora = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return {"backup": nbytes + 2 * lora, "lora": lora}
+        backup = nbytes + 2 * lora
+        return TrainerPlan(backup=backup, resident=backup + lora, grad_buffer=lora, sync_kind="lora", sync_bytes=lora)
 
     # -- the step -----------------------------------------------------------------------------
     def push(self) -> bytes:
@@ -131,19 +169,10 @@ class TrainerActor:
         return score(self.model, prompts, completions)
 
     # -- memory -------------------------------------------------------------------------------
-    def handoff(self, data: bytes) -> bytes:
-        """This trainer's memory operations for a ``HandoffExecutor`` elsewhere: msgpack requests
-        in, msgpack replies out (``BytesMemoryLink`` on the controller's side)."""
-        if self._service is None:
-            from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
-            from colosync.handoff.runtime.remote import MemoryService, serve_bytes
+    def trainer_memory(self, pool: Any) -> Any:
+        from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
-            service = MemoryService(
-                factory=lambda pool: TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
-            )
-            self._service = (service, serve_bytes(service))
-        reply: bytes = self._service[1](data)
-        return reply
+        return TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
 
     def memory(self) -> dict[str, int]:
         return memory_sample(self.device)
@@ -153,8 +182,7 @@ class TrainerActor:
 
     def close(self) -> None:
         self.sender.close()
-        if self._service is not None:
-            self._service[0].close()
+        self.close_memory()
 
 
 def _engine_link(engine: Any, engine_name: str) -> Any:

@@ -17,13 +17,14 @@ from typing import Any
 
 import msgspec
 
+from colosync.demo.actors import TrainerPlan
 from colosync.demo.launch import Cluster
 from colosync.handoff import Region, build_plan
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.model.simulator import HandoffSizes
 from colosync.handoff.runtime.executor import HandoffExecutor
 from colosync.handoff.runtime.participants import WeightSync
-from colosync.sync.sender import SyncReport
+from colosync.sync.sender import DEFAULT_BUCKET_BYTES, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class PhaseStats:
     plan_host_copies_bytes: int  # the most the plan expects at any of the phase's steps
     device_peak_bytes: int
     sync_seconds: float = 0.0  # the sync.weights step (train_to_rollout only)
+    sync_device_extra_bytes: int = 0  # device memory the sync added at its peak (all processes)
+    bytes_to_host: int = 0  # what the participants' operations copied device -> host
+    bytes_to_device: int = 0  # and host -> device (the sync's bytes are in its SyncReport)
     steps: list[str] = field(default_factory=list)  # the operations, in order
     violations: list[str] = field(default_factory=list)
 
@@ -45,20 +49,30 @@ class PhaseStats:
 class Colocated:
     """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (see module docstring)."""
 
-    def __init__(self, cluster: Cluster, peak_device: str, pin: Any = "auto") -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        peak_device: str,
+        pin: Any = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        host_scope: str = "processes",
+    ) -> None:
         self.plan = build_plan(peak_device=peak_device, sync=True)
         engine_sizes = cluster.engine_memory(pin="none").region_bytes()  # a private pool, to read its sizes
-        planned = cluster.trainer.call("planned_sizes")
-        lora, backup = int(planned["lora"]), int(planned["backup"])
+        planned = msgspec.convert(cluster.trainer.call("planned_sizes"), TrainerPlan, from_attributes=True)
+        lora = planned.sync_bytes if planned.sync_kind == "lora" else 0  # the adapter the first sync installs
         self.sizes = HandoffSizes(
-            engine_weight_bytes=engine_sizes[Region.ENGINE_MIRROR] + lora,  # + the adapter the first sync installs
+            engine_weight_bytes=engine_sizes[Region.ENGINE_MIRROR] + lora,
             engine_kv_bytes=engine_sizes.get(Region.ENGINE_KV, 0),
-            trainer_resident_bytes=backup + lora,
-            trainer_backup_bytes=backup,
-            trainer_grad_buffer_bytes=lora,
-            sync_kind="lora",
-            sync_bytes=lora,
+            trainer_resident_bytes=planned.resident,
+            trainer_backup_bytes=planned.backup,
+            trainer_grad_buffer_bytes=planned.grad_buffer,
+            sync_kind=planned.sync_kind,
+            sync_bytes=planned.sync_bytes,
             sync_transport="shm" if cluster.device.type == "cpu" else "cuda_ipc",
+            sync_bucket_bytes=bucket_bytes,
+            # colosync's engines stage a full update in host memory (the arena) and install it at commit
+            sync_staging="host" if planned.sync_kind == "full" else "device",
         )
         self.arena = HostArena.for_plan(self.plan, self.sizes.region_bytes(), pin=pin)  # pinned once per job
         try:
@@ -71,7 +85,13 @@ class Colocated:
                 device_type=cluster.device.type,
             )
             self.executor = HandoffExecutor(
-                trainer, engine, sync=self.sync, pools=[self.arena.pool()], watch_interval_s=0.005, fail_fast=False
+                trainer,
+                engine,
+                sync=self.sync,
+                pools=[self.arena.pool()],
+                watch_interval_s=0.005,
+                fail_fast=False,
+                host_scope=host_scope,
             )
         except BaseException:
             self.arena.close()
@@ -92,6 +112,11 @@ class Colocated:
             plan_host_copies_bytes=max((r.expected_host_peak for r in records), default=0),
             device_peak_bytes=max((r.device_peak for r in records), default=0),
             sync_seconds=sum(r.seconds for r in records if r.report.participant == "sync"),
+            sync_device_extra_bytes=max(
+                (r.device_peak - r.device_before for r in records if r.report.participant == "sync"), default=0
+            ),
+            bytes_to_host=sum(r.report.bytes_to_host for r in records),
+            bytes_to_device=sum(r.report.bytes_to_device for r in records),
             steps=[r.step for r in records],
             violations=[str(v) for v in result.violations[first_violation:]],
         )

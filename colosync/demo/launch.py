@@ -52,13 +52,23 @@ class Trainer(Protocol):
 # =========================================================================================
 
 
-def _serve_actor(init: bytes, conn: Connection) -> None:
-    from colosync.demo.actors import TrainerActor
+DEFAULT_TRAINER = "colosync.demo.actors:TrainerActor"
 
+
+def trainer_class(path: str) -> type:
+    """The trainer actor class named ``module:Class`` (one of colosync's own)."""
+    module, _, name = path.partition(":")
+    if not module.startswith("colosync.") or not name:
+        raise ConfigError(f"a trainer actor is named 'colosync.<module>:<Class>', got {path!r}")
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def _serve_actor(actor_path: str, init: bytes, conn: Connection) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
-        actor = TrainerActor(**msgspec.msgpack.decode(init))
+        actor = trainer_class(actor_path)(**msgspec.msgpack.decode(init))
     except BaseException as exc:
         conn.send_bytes(encoder.encode(["err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"]))
         raise
@@ -81,13 +91,17 @@ def _serve_actor(init: bytes, conn: Connection) -> None:
 
 
 class ActorProcess:
-    """A ``TrainerActor`` in a spawned process; ``call(method, *args)`` runs one method there."""
+    """A trainer actor (``actor``: ``module:Class``, default ``TrainerActor``) in a spawned
+    process; ``call(method, *args)`` runs one method there."""
 
-    def __init__(self, start_timeout_s: float = 300.0, **kwargs: Any) -> None:
+    def __init__(self, start_timeout_s: float = 300.0, actor: str = DEFAULT_TRAINER, **kwargs: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
-            target=_serve_actor, args=(msgspec.msgpack.encode(kwargs), child), name="colosync-trainer", daemon=True
+            target=_serve_actor,
+            args=(actor, msgspec.msgpack.encode(kwargs), child),
+            name="colosync-trainer",
+            daemon=True,
         )
         self._process.start()
         child.close()
@@ -169,18 +183,19 @@ class Cluster:
         threads: int,
         trainer_kwargs: dict[str, Any],
         ray_address: str | None = None,
+        trainer_actor: str = DEFAULT_TRAINER,
     ) -> None:
         from colosync.engines.config import EngineConfig
 
         self.launcher, self.engine = launcher, engine
         self.device = torch.device(device)
         config = EngineConfig(engine=engine, model_dir=model_dir, device=device, max_lora_rank=16, threads=threads)
+        actor_class = trainer_class(trainer_actor)
         self._proc: Any = None
         self._ray = False
         if launcher == "ray":
             import ray
 
-            from colosync.demo.actors import TrainerActor
             from colosync.engines.ray_actor import EngineActor, RayLink
 
             ray.init(
@@ -198,7 +213,7 @@ class Cluster:
             self._engine_actor = engine_actor
             self.engine_pid = int(ray.get(engine_actor.pid.remote()))
             self.driver: Any = RayLink(self._engine_actor, engine)
-            actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(TrainerActor).remote(
+            actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(actor_class).remote(
                 engine=self._engine_actor, **trainer_kwargs
             )
             self.trainer: RayTrainer | ActorProcess = RayTrainer(actor)
@@ -210,7 +225,7 @@ class Cluster:
             self.engine_pid = self._proc.pid
             self.driver = self._proc.link
             address = msgspec.msgpack.encode(self._proc.address)
-            self.trainer = ActorProcess(engine=address, **trainer_kwargs)
+            self.trainer = ActorProcess(actor=trainer_actor, engine=address, **trainer_kwargs)
         else:
             raise ConfigError(f"launcher must be ray or process here, got {launcher!r}")
 
@@ -258,4 +273,4 @@ class Cluster:
                 ray.shutdown()
 
 
-__all__ = ["LAUNCHERS", "ActorProcess", "Cluster", "RayTrainer", "resolve_launcher"]
+__all__ = ["DEFAULT_TRAINER", "LAUNCHERS", "ActorProcess", "Cluster", "RayTrainer", "resolve_launcher", "trainer_class"]

@@ -1,0 +1,54 @@
+"""``colosync bench-step``: the colocated step with a full sync at a given size, trainer and
+engine in their own processes, every step checked for parity and every invariant measured.
+
+On the CPU the sizes are tiny (what is checked is that every step runs, hands over, syncs
+and serves exactly the trainer's weights); on CUDA (gpu marker) the sync must add at most
+one bucket plus the transport's slots to the device, the bound the README states.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from colosync.tools.cli import main
+
+MiB = 1 << 20
+
+
+def _bench(capsys, tmp_path, *args: str) -> dict:
+    out = tmp_path / "report.json"
+    rc = main(["bench-step", "--steps", "3", "--report", str(out), *args])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    return json.loads(out.read_text())
+
+
+def test_every_step_syncs_the_whole_model_and_the_engine_serves_it(capsys, tmp_path):
+    args = ["--device", "cpu", "--weights", "6MB", "--kv", "2MB", "--tensor", "1MB", "--bucket", "1MB"]
+    report = _bench(capsys, tmp_path, *args, "--optimizer-shards", "2")
+    assert [m["peak_device"] for m in report["modes"]] == ["gpu", "cpu"]
+    for mode in report["modes"]:
+        rows = mode["rows"]
+        assert [r["update_id"] for r in rows] == [2, 3, 4]  # the warm-up's is 1; then one per step
+        assert all(r["sync_bytes"] == report["weight_bytes"] // (4096 * 2) * 4096 * 2 for r in rows)
+        assert all(not r["violations"] for r in rows) and mode["summary"]["violations"] == 0
+        assert mode["summary"]["steps"] == 3
+    gpu, cpu = report["modes"]
+    assert gpu["arena_bytes"] < cpu["arena_bytes"]  # one host copy at a time against both
+    weights = report["weight_bytes"] // (4096 * 2) * 4096 * 2
+    assert report["trainer_backup_bytes"] == weights + 2 * 2 * weights // 2  # moments of half the weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_sync_adds_at_most_one_bucket_and_the_slots(capsys, tmp_path):
+    report = _bench(capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "4GB")
+    for mode in report["modes"]:
+        assert mode["summary"]["violations"] == 0
+        bound = mode["bucket_and_slots_bytes"]
+        assert mode["summary"]["max_sync_device_extra_bytes"] <= bound + 32 * MiB, mode["summary"]
+    gpu = report["modes"][0]
+    assert gpu["summary"]["host_copies_peak_bytes"] <= 1.05 * gpu["larger_copy_bytes"] + 64 * MiB
