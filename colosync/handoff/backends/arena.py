@@ -143,6 +143,10 @@ class HostArena:
             self.pinned = int(getattr(err, "value", err)) == 0
             if not self.pinned:
                 log.warning("cudaHostRegister of arena /dev/shm/%s failed (%s); copies will be pageable", name, err)
+        if not create and not self.pinned:
+            # Map every page here too (pinning does it; the creator's fill did it there), so this
+            # process's RssShmem holds the whole arena, which is what the host sampler subtracts.
+            self._tensor[::PAGE].sum()
         self._pool: ArenaPool | None = None
         log.info(
             "host arena %s: %s %d x %.3f GB, pinned=%s",
@@ -191,6 +195,11 @@ class HostArena:
                 f"arena {handle.name}: header of {arena.header_bytes} bytes, handle says {handle.header_bytes}"
             )
         return arena
+
+    @property
+    def mapped_bytes(self) -> int:
+        """What a process mapping the arena maps: its chunks and its table."""
+        return self.header_bytes + self.nbytes
 
     def handle(self) -> ArenaHandle:
         return ArenaHandle(self.name, self.nbytes, self.chunk_bytes, self.header_bytes)

@@ -378,7 +378,8 @@ class HandoffExecutor:
         self.host_slack_bytes = host_slack_bytes
         self._remote = [p for p in self.participants if p.remote]
         shared = bool(self._remote) or any(getattr(pool, "arena", None) is not None for pool in self.pools)
-        self.host = HostSampler(roots=[p.pid for p in self._remote], shared=shared, scope=host_scope)
+        arenas = [a for a in (getattr(pool, "arena", None) for pool in self.pools) if a is not None]
+        self.host = HostSampler(roots=[p.pid for p in self._remote], shared=shared, scope=host_scope, arenas=arenas)
         self.device = DeviceSampler()
         on_cuda = any(p.footprint().device_type == "cuda" for p in self.participants)
         self._device_measured = self.device.enabled and on_cuda

@@ -129,7 +129,7 @@ class MemoryService:
         if request.arena is not None:
             self.arena = HostArena.attach(request.arena, pin=_pin(request.pin))
             self.pool = self.arena.pool()
-            self._host = HostSampler(shared=True)
+            self._host = HostSampler(shared=True, arenas=[self.arena], count_arenas=False)  # the controller counts it
         else:
             self.pool = HostPool(chunk_bytes=request.chunk_bytes, pin=_pin(request.pin))
             self._host = HostSampler()

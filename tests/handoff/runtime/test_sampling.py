@@ -1,0 +1,58 @@
+"""Host sampling across processes that share an arena: without a page walk (``status`` and
+``maps``, the arena counted once) it must agree with the proportional-set-size walk, and a
+participant sampling itself must leave the arena to the controller.
+
+Real processes: this one creates the arena, a spawned child maps it and holds private memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+from colosync.handoff.backends.arena import HostArena
+from colosync.handoff.runtime.sampling import HostSampler
+
+MiB = 1 << 20
+
+
+def _child(handle, conn) -> None:
+    arena = HostArena.attach(handle, pin="none")  # maps every page, as pinning would
+    private = bytearray(48 * MiB)  # anonymous memory of its own
+    private[::4096] = b"\x01" * len(private[::4096])
+    own = HostSampler(shared=True, arenas=[arena], count_arenas=False, pss_limit_bytes=0).sample()
+    conn.send(own.by_pid[os.getpid()])
+    conn.recv()  # hold everything until the parent has sampled
+    arena.close()
+
+
+def test_status_sampling_counts_the_arena_once_and_agrees_with_the_page_walk():
+    ctx = mp.get_context("spawn")
+    with HostArena.create(96 * MiB, chunk_bytes=8 * MiB, pin="none") as arena:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child, args=(arena.handle(), child))
+        proc.start()
+        try:
+            self_sampled = parent.recv()
+            walk = HostSampler(roots=[proc.pid], shared=True).sample()
+            fast = HostSampler(roots=[proc.pid], shared=True, arenas=[arena], pss_limit_bytes=0).sample()
+            assert abs(fast.value - walk.value) < 8 * MiB, (fast, walk)
+            # the child's share is its own memory; the arena is counted once, to the controller
+            half = arena.mapped_bytes // 2  # the walk gives each of the two mappers half the arena
+            assert abs(fast.by_pid[proc.pid] - (walk.by_pid[proc.pid] - half)) < 8 * MiB
+            assert fast.by_pid[proc.pid] >= 48 * MiB
+            assert abs(fast.by_pid[os.getpid()] - (walk.by_pid[os.getpid()] + half)) < 8 * MiB
+            assert abs(self_sampled - fast.by_pid[proc.pid]) < 8 * MiB
+            # counting the arena in every process that maps it would be off by a whole copy
+            naive = HostSampler(roots=[proc.pid]).sample()
+            assert naive.value - fast.value > 0.9 * arena.mapped_bytes
+        finally:
+            parent.send(None)
+            proc.join(30)
+
+
+def test_the_page_walk_stays_where_the_arenas_are_small():
+    with HostArena.create(16 * MiB, chunk_bytes=8 * MiB, pin="none") as arena:
+        assert not HostSampler(shared=True, arenas=[arena]).fast_shared  # below 1 GiB: PSS, exact
+        assert HostSampler(shared=True, arenas=[arena], pss_limit_bytes=arena.mapped_bytes).fast_shared
+        assert not HostSampler(arenas=[arena], pss_limit_bytes=0).fast_shared  # nothing shared to count
