@@ -30,15 +30,28 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     sync_bytes: int  # the bytes of one push
 
 
-class MemoryServed:
-    """``handoff(data)``: a trainer actor's memory operations for a ``HandoffExecutor`` elsewhere
-    (msgpack requests in, replies out; ``BytesMemoryLink`` on the controller's side), served by
-    the ``TrainerMemory`` that ``trainer_memory(pool)`` builds."""
+class ServedTrainer:
+    """What every trainer actor offers its controller besides its step: ``handoff(data)``, its
+    memory operations for a ``HandoffExecutor`` elsewhere (msgpack requests in, replies out;
+    ``BytesMemoryLink`` on the controller's side) served by the ``TrainerMemory`` that
+    ``trainer_memory(pool)`` builds; ``memory``, ``pid`` and ``close`` (of its ``sender``)."""
 
     _service: Any = None
+    device: torch.device
+    sender: Any
 
     def trainer_memory(self, pool: Any) -> Any:
         raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        return memory_sample(self.device)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.sender.close()
+        self.close_memory()
 
     def handoff(self, data: bytes) -> bytes:
         if self._service is None:
@@ -54,7 +67,7 @@ class MemoryServed:
             self._service[0].close()
 
 
-class TrainerActor(MemoryServed):
+class TrainerActor(ServedTrainer):
     """Holds the PEFT policy and its optimizer; pushes the LoRA to the engine after each step.
 
     ``engine``: a Ray actor handle of the engine, or the msgpack bytes of an ``EngineAddress``
@@ -173,16 +186,6 @@ class TrainerActor(MemoryServed):
         from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
         return TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
-
-    def memory(self) -> dict[str, int]:
-        return memory_sample(self.device)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def close(self) -> None:
-        self.sender.close()
-        self.close_memory()
 
 
 def _engine_link(engine: Any, engine_name: str) -> Any:

@@ -13,21 +13,19 @@ its memory served to the controller's executor through ``handoff``.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import msgspec
 import torch
 
-from colosync.demo.actors import MemoryServed, TrainerPlan, _engine_link
-from colosync.engines.ray_actor import memory_sample
+from colosync.demo.actors import ServedTrainer, TrainerPlan, _engine_link
 from colosync.engines.synthetic import SyntheticModel, digest
 from colosync.errors import ConfigError
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, Sender
 
 
-class SyntheticTrainer(MemoryServed):
+class SyntheticTrainer(ServedTrainer):
     """``SyntheticModel``'s weights as trainable bf16 parameters with fp32 Adam moments."""
 
     def __init__(
@@ -139,17 +137,6 @@ class SyntheticTrainer(MemoryServed):
     def digest(self) -> list[int]:
         assert self.model is not None, "the trainer is not loaded"
         return digest(list(self.model.parameters()))
-
-    # -- process ------------------------------------------------------------------------------
-    def memory(self) -> dict[str, int]:
-        return memory_sample(self.device)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def close(self) -> None:
-        self.sender.close()
-        self.close_memory()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
