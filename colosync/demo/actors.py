@@ -98,7 +98,7 @@ class TrainerActor(ServedTrainer):
         self.entropy_coef = entropy_coef
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.sender = Sender(_engine_link(engine, engine_name), transport=transport)
+        self.sender = Sender(engine_link(engine, engine_name), transport=transport)
         if handoff:
             self._warm_up()  # CUDA context, kernels, lazy imports: before the executor's baseline
         else:
@@ -188,7 +188,7 @@ class TrainerActor(ServedTrainer):
         return TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
 
 
-def _engine_link(engine: Any, engine_name: str) -> Any:
+def engine_link(engine: Any, engine_name: str) -> Any:
     if isinstance(engine, bytes):
         from colosync.engines.config import EngineAddress
         from colosync.engines.process import connect

@@ -89,27 +89,18 @@ class StepBenchReport:
     trainer_backup_bytes: int
     copy_gbps: dict[str, float]  # pinned host <-> device, measured before the run
     modes: list[ModeReport] = field(default_factory=list)
+    error: str = ""  # what stopped the run early (a parity failure, a refused step), if anything
 
 
-def pinned_rates(device: Any, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Median GB/s of one pinned host buffer copied to the device and back (the floor's rates)."""
-    import torch
+def pinned_rates(device: Any, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Median GB/s of one reusable pinned host buffer copied to the device and back (the
+    floor's rates; ``colosync handoff-bench``'s reference copy)."""
+    from colosync.tools.bench.handoff import pinned_copy_rate
 
     if device.type != "cuda":
         return {"to_device": 0.0, "to_host": 0.0}
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates: dict[str, list[float]] = {"to_device": [], "to_host": []}
-    for _ in range(repeats + 1):
-        for key, (dst, src) in (("to_device", (dev, host)), ("to_host", (host, dev))):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-            rates[key].append(nbytes / (time.perf_counter() - t) / 1e9)
-    del host, dev
-    torch.cuda.empty_cache()
-    return {k: statistics.median(v[1:]) for k, v in rates.items()}
+    rates = pinned_copy_rate(device, nbytes)
+    return {"to_device": rates["h2d_gbps"], "to_host": rates["d2h_gbps"]}
 
 
 def _floor(to_host: int, to_device: int, rates: dict[str, float]) -> float:
@@ -142,8 +133,14 @@ def run_step_bench(
         f"[bold]bench-step[/] weights {options.weight_bytes / 1e9:.1f} GB, KV {kv / 1e9:.1f} GB, "
         f"pinned copies {rates['to_device']:.1f} GB/s to the device, {rates['to_host']:.1f} GB/s to the host"
     )
-    for mode in options.modes:
-        _run_mode(options, mode, str(folder), rates, report, console, progress)
+    try:
+        for mode in options.modes:
+            _run_mode(options, mode, str(folder), rates, report, console, progress)
+    except ColosyncError as exc:
+        report.error = f"{type(exc).__name__}: {exc}"
+        if progress is not None:
+            progress(report)  # the steps measured so far, with what stopped them
+        raise
     return report
 
 
@@ -239,16 +236,19 @@ def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_re
     t = time.perf_counter()
     cluster.driver.call(digest_request())  # the rollout stand-in: the engine reads every weight it serves
     serve_s = time.perf_counter() - t
+    previous = colo.last_sync
     r2t = colo.phase("rollout_to_train")
     train_s = float(cluster.trainer.call("train_step"))
     want = cluster.trainer.call("digest")  # what the trainer holds now, before its sleep
     t2r = colo.phase("train_to_rollout")
     sync = colo.last_sync
-    if sync is None:
-        raise ColosyncError("train_to_rollout ran no sync; the plan has no sync.weights step")
+    if sync is None or sync is previous:
+        raise ColosyncError(f"step {step}: train_to_rollout ran no sync (the plan has no sync.weights step)")
     served = cluster.driver.call(digest_request())
     if served.update_id != sync.update_id or list(served.fingerprints) != list(want):
-        wrong = sum(a != b for a, b in zip(served.fingerprints, want, strict=False))
+        wrong = sum(a != b for a, b in zip(served.fingerprints, want, strict=False)) + abs(
+            len(served.fingerprints) - len(want)
+        )
         raise ParityError(
             f"step {step}: the engine serves update {served.update_id} (the sync committed {sync.update_id}) and "
             f"{wrong} of {len(want)} weights differ from the trainer's"
@@ -378,8 +378,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--host-scope",
         choices=["processes", "node"],
         default="processes",
-        help="host memory as the participants' processes (shared pages once, by PSS: a page walk of every "
-        "mapping) or the node's anon+shmem (/proc/meminfo: cheap, but every process on the node)",
+        help="host memory as the participants' processes (the shared arena counted once) or the node's "
+        "anon+shmem (/proc/meminfo: every process on the node)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")

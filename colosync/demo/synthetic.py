@@ -13,13 +13,14 @@ its memory served to the controller's executor through ``handoff``.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import msgspec
 import torch
 
-from colosync.demo.actors import ServedTrainer, TrainerPlan, _engine_link
+from colosync.demo.actors import ServedTrainer, TrainerPlan, engine_link
 from colosync.engines.synthetic import SyntheticModel, digest
 from colosync.errors import ConfigError
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, Sender
@@ -52,7 +53,7 @@ class SyntheticTrainer(ServedTrainer):
         self.lr, self.seed, self.steps = lr, seed, 0
         self.model: torch.nn.Module | None = None
         self.moments: list[torch.Tensor] = []
-        self.sender = Sender(_engine_link(engine, engine_name), transport=transport, bucket_bytes=bucket_bytes)
+        self.sender = Sender(engine_link(engine, engine_name), transport=transport, bucket_bytes=bucket_bytes)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -61,10 +62,19 @@ class SyntheticTrainer(ServedTrainer):
         the same seed, so it changes nothing) for the transport's set-up and the sync's kernels."""
         x = torch.ones(1024, device=self.device, dtype=self.spec.torch_dtype)
         _adam(x, x.clone(), torch.zeros(1024, device=self.device), torch.zeros(1024, device=self.device), 1, 1e-3)
-        name, shape = self.spec.layout()[0]
-        first = torch.empty(shape, dtype=self.spec.torch_dtype, device=self.device)
-        first.normal_(0.0, 0.02, generator=torch.Generator(device=self.device).manual_seed(self.spec.seed))
-        self.sender.push([(name, first)])
+        # The first update sizes the transport (no more slots than it has buckets), so it
+        # spans a bucket per slot: the engine's own first tensors, drawn in build order from
+        # the same seed.
+        generator = torch.Generator(device=self.device).manual_seed(self.spec.seed)
+        first: list[tuple[str, torch.Tensor]] = []
+        total, slots = 0, self.sender.slots
+        for name, shape in self.spec.layout():
+            if len(first) >= slots and total >= slots * self.sender.bucket_bytes:
+                break
+            total += _nbytes(shape, self.spec.torch_dtype)
+            t = torch.empty(shape, dtype=self.spec.torch_dtype, device=self.device)
+            first.append((name, t.normal_(0.0, 0.02, generator=generator)))
+        self.sender.push(first)
         del x, first
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -140,10 +150,7 @@ class SyntheticTrainer(ServedTrainer):
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _adam(

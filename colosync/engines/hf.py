@@ -95,9 +95,10 @@ class HFEngine(HostedTarget):
         return self._spec
 
     def stage_full_updates_in(self, pool: Any) -> None:
-        """Stage full updates in ``pool`` (the handoff's host pool: the shared arena in a colocated
-        job), one lease per update, instead of a pinned area of the engine's own."""
-        self._host.use_pool(pool)
+        """Stage full updates in ``pool`` when it is the shared arena of a colocated job (one
+        lease per update) instead of a pinned area of the engine's own; a private pool (no
+        arena) changes nothing."""
+        self._host.use_pool(pool if getattr(pool, "arena", None) is not None else None)
 
     def staging(self, manifest: UpdateManifest) -> Staging | None:
         return self._host.lend(manifest) if manifest.kind == "full" else None

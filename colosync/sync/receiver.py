@@ -190,7 +190,12 @@ class Receiver:
             log.warning("receiver: update %d supersedes unfinished update %d", uid, self._inflight.update_id)
             self._end(f"superseded by update {uid}")
         self._highest_update_id = uid
-        landing = self._lander.open(manifest, plan, self.target.staging(manifest), self.policy)
+        staging = self.target.staging(manifest)
+        try:
+            landing = self._lander.open(manifest, plan, staging, self.policy)
+        except BaseException:
+            self.target.unstage(manifest)  # the engine's area (an arena lease) goes back with the refusal
+            raise
         self._inflight = _InFlight(manifest, landing)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from colosync.errors import (
+    ConfigError,
     DtypeError,
     IncompleteUpdateError,
     ManifestError,
@@ -87,16 +88,14 @@ class Staging:
 
 
 class HostLeaser(Protocol):
-    """Host memory to borrow a staging area from: the handoff's ``HostPool`` or the node's
-    shared arena (``colosync.handoff.backends``), seen from this layer by shape only."""
+    """Host memory to borrow a staging area from: the node's shared arena (``ArenaPool`` in
+    ``colosync.handoff.backends``), seen from this layer by shape only. ``lease(...,
+    contiguous=True).flat`` is the lease as one flat ``uint8`` tensor."""
 
-    @property
-    def chunk_bytes(self) -> int: ...
-
-    def lease(self, owner: str, nbytes: int) -> Any: ...  # ``.chunks``: uint8 tensors; ``.release()``
+    def lease(self, owner: str, nbytes: int, contiguous: bool = False) -> Any: ...
 
 
-STAGING_ALIGN = 4096  # where each bucket starts inside a leased chunk
+STAGING_ALIGN = 4096  # where each bucket starts inside the leased range
 
 
 class HostStaging:
@@ -112,11 +111,11 @@ class HostStaging:
     before it asks for staging); without it (an engine on the CPU, where the area would be
     memory the model itself needs) it is freed when the update ends.
 
-    With a ``pool`` (``use_pool``: the engine's handoff pool, the shared arena in a colocated
-    job) the area is a lease of its already pinned chunks, taken for one update and given
-    back when it ends: the sync runs while neither host copy exists, so a full update's
-    staging takes its turn in the same pages as the engine's mirror and the trainer's backup
-    instead of pinning memory of its own.
+    With a ``pool`` (``use_pool``: the shared arena of a colocated job) the area is one
+    contiguous lease of its already pinned chunks, taken for one update and given back when
+    it ends: the sync runs while neither host copy exists, so a full update's staging takes
+    its turn in the same pages as the engine's mirror and the trainer's backup instead of
+    pinning memory of its own. An arena without room refuses the update before a byte lands.
     """
 
     def __init__(self, keep: bool, pin: bool | None = None, pool: HostLeaser | None = None) -> None:
@@ -137,8 +136,9 @@ class HostStaging:
         if self._staging is not None and self._layout == manifest.layout:
             return self._staging
         self.release()
-        flats = self._leased(manifest.bucket_sizes) if self.pool is not None else None
-        if flats is None:
+        if self.pool is not None:
+            flats = self._leased(manifest.bucket_sizes)
+        else:
             flats = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for size in manifest.bucket_sizes]
         members: list[list[TensorMeta]] = [[] for _ in flats]
         for t in manifest.tensors:
@@ -152,23 +152,22 @@ class HostStaging:
         self._layout = manifest.layout
         return self._staging
 
-    def _leased(self, sizes: Sequence[int]) -> list[torch.Tensor] | None:
-        """One bucket per slice of the pool's chunks, none straddling two; None if a bucket
-        is larger than a chunk (then the area is allocated as without a pool)."""
+    def _leased(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """The buckets back to back (page-aligned) in one contiguous lease of the pool."""
         assert self.pool is not None
-        chunk = self.pool.chunk_bytes
-        if any(size > chunk for size in sizes):
-            log.warning("host staging: a bucket exceeds the pool's %d-byte chunks; allocating the area", chunk)
-            return None
-        places, index, offset = [], 0, 0
+        if not sizes:
+            return []
+        offsets, end = [], 0
         for size in sizes:
-            if offset + size > chunk:
-                index, offset = index + 1, 0
-            places.append((index, offset))
-            offset = -(-(offset + size) // STAGING_ALIGN) * STAGING_ALIGN
-        self._lease = self.pool.lease("engine.sync_staging", (index + 1) * chunk if sizes else 0)
-        chunks = self._lease.chunks
-        return [chunks[i][o : o + size] for (i, o), size in zip(places, sizes, strict=True)]
+            offsets.append(end)
+            end = -(-(end + size) // STAGING_ALIGN) * STAGING_ALIGN
+        self._lease = self.pool.lease("engine.sync_staging", end, contiguous=True)
+        try:
+            flat = self._lease.flat
+        except BaseException:
+            self.release()
+            raise
+        return [flat[o : o + size] for o, size in zip(offsets, sizes, strict=True)]
 
     def done(self) -> None:
         """The update that used the area ended (committed or not): free it unless it is kept
@@ -199,6 +198,11 @@ class HostStaging:
         """
         if self._staging is None or not any(self.owns(t) for t in tensors):
             return False
+        if self._lease is not None:  # pages of the shared arena: the next host copy would overwrite them
+            raise ConfigError(
+                "the engine's model keeps a staged tensor as its own, but the staging area is a lease of the "
+                "shared arena; stage this engine's full updates in its own memory (HostStaging.use_pool(None))"
+            )
         self.release()  # the model keeps its memory alive; the next update gets a fresh area
         return True
 

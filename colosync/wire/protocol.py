@@ -288,6 +288,11 @@ class ArenaHandle(msgspec.Struct, frozen=True):
     chunk_bytes: Count
     header_bytes: Count
 
+    @property
+    def mapped_bytes(self) -> int:
+        """What a process mapping the arena maps: its chunks and its table."""
+        return self.header_bytes + self.nbytes
+
 
 class MemorySetup(msgspec.Struct, tag="memory_setup", frozen=True):
     """Give a remote participant its host memory: map ``arena`` (shared with the other side),

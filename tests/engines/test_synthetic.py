@@ -1,12 +1,20 @@
-"""The synthetic engine: a full update is staged in the handoff's host pool (the shared arena
-in a colocated job), leased for one update and given back, and an update that finds no room
-there is refused whole, the engine serving its previous weights.
+"""The synthetic engine: a full update is staged in the shared arena of a colocated job, one
+contiguous lease per update given back when it ends (also when its sender is killed
+mid-push), and an update that finds no room there is refused whole, the engine serving its
+previous weights.
 
-Real processes: the engine in an ``EngineProcess``, the arena shared memory mapped by both.
+Real processes: the engine in an ``EngineProcess``, the arena shared memory mapped by both,
+a sender in a spawned process that is SIGKILLed.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgspec
 import pytest
 import torch
 
@@ -29,14 +37,16 @@ def test_layout_cuts_the_weights_into_pieces_and_refuses_a_model_smaller_than_a_
         SyntheticModel(weight_bytes=100, dtype="float32")
 
 
-def test_a_full_update_lands_in_the_arena_and_is_refused_whole_when_the_arena_is_full(tmp_path):
-    spec = SyntheticModel(weight_bytes=3 * MiB, tensor_bytes=MiB, dtype="float32", seed=1).save(tmp_path)
+@pytest.mark.parametrize("tensor_bytes", [MiB, 3 * MiB], ids=["buckets-fill-chunks", "bucket-larger-than-a-chunk"])
+def test_a_full_update_lands_in_the_arena_and_is_refused_whole_when_the_arena_is_full(tmp_path, tensor_bytes):
+    spec = SyntheticModel(weight_bytes=3 * tensor_bytes, tensor_bytes=tensor_bytes, dtype="float32", seed=1)
+    spec = spec.save(tmp_path)
     model = SyntheticModel.load(spec)
     start = digest(list(model.build("cpu").parameters()))
     new = model.build("cpu", seed=7)
     named = [(n, p.data) for n, p in new.named_parameters()]
     with (
-        HostArena.create(4 * MiB, chunk_bytes=2 * MiB, pin="none") as arena,
+        HostArena.create(3 * tensor_bytes + 2 * MiB, chunk_bytes=2 * MiB, pin="none") as arena,
         EngineProcess(EngineConfig(engine="synthetic", model_dir=str(spec))) as engine,
     ):
         engine.memory(arena=arena, pin="none")  # the engine maps the arena and stages there
@@ -63,3 +73,50 @@ def test_digest_tells_one_changed_element_apart():
     with torch.no_grad():
         next(a.parameters())[3, 5] += 1e-3
     assert digest(list(a.parameters())) != before
+
+
+def _push_forever(address: bytes, folder: str, ready) -> None:
+    from colosync.demo.actors import engine_link
+
+    model = SyntheticModel.load(folder)
+    sender = Sender(engine_link(address, "synthetic"), transport="shm", bucket_bytes=MiB)
+    versions = [[(n, p.data) for n, p in model.build("cpu", seed=seed).named_parameters()] for seed in (9, 10)]
+    sender.push(versions[0])  # one whole update first
+    ready.put("committed")
+    for i in range(1, 1_000_000):  # then the two versions in turn, until killed
+        sender.push(versions[i % 2])
+
+
+def test_a_sender_killed_mid_push_gives_the_lease_back_and_the_engine_serves_a_whole_version(tmp_path):
+    folder = SyntheticModel(weight_bytes=32 * MiB, tensor_bytes=MiB, dtype="float32", seed=1).save(tmp_path)
+    versions = [digest(list(SyntheticModel.load(folder).build("cpu", seed=seed).parameters())) for seed in (9, 10)]
+    with (
+        HostArena.create(40 * MiB, chunk_bytes=4 * MiB, pin="none") as arena,
+        EngineProcess(EngineConfig(engine="synthetic", model_dir=str(folder))) as engine,
+    ):
+        engine.memory(arena=arena, pin="none")
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        proc = ctx.Process(target=_push_forever, args=(msgspec.msgpack.encode(engine.address), str(folder), ready))
+        proc.start()
+        try:
+            assert ready.get(timeout=120) == "committed"
+            deadline = time.monotonic() + 60
+            while arena.leased_bytes == 0 and time.monotonic() < deadline:  # a later update is landing
+                time.sleep(0.002)
+            assert arena.leased_bytes > 0, "no update in flight to kill"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.join(30)
+        deadline = time.monotonic() + 60
+        while arena.leased_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert arena.leased_bytes == 0, arena.holders()  # the aborted update's staging went back
+        served = engine.call(Digest())
+        assert served.update_id >= 1 and served.fingerprints in versions  # a whole version, never a mix
+        fresh = SyntheticModel.load(folder).build("cpu", seed=11)
+        sender = Sender(engine.link, transport="shm", bucket_bytes=MiB)
+        report = sender.push([(n, p.data) for n, p in fresh.named_parameters()])
+        after = engine.call(Digest())
+        assert after.update_id == report.update_id and after.fingerprints == digest(list(fresh.parameters()))
+        sender.close()

@@ -247,9 +247,10 @@ class HostArena:
     def leased_bytes(self) -> int:
         return sum(self.holders().values())
 
-    def take(self, owner: str, count: int) -> list[int]:
+    def take(self, owner: str, count: int, contiguous: bool = False) -> list[int]:
         """Lease ``count`` chunks (lowest free first, so a copy reuses the pages the previous
-        one vacated) for ``owner`` of this process; raises ``HostPoolExhausted`` if the arena
+        one vacated; with ``contiguous``, the lowest run of adjacent ones, one flat range of the
+        mapping) for ``owner`` of this process; raises ``HostPoolExhausted`` if the arena
         cannot hold them."""
         me = os.getpid()
         with self._locked() as mm:
@@ -262,6 +263,8 @@ class HostArena:
                     pid = 0
                 if not pid:
                     free.append(i)
+            if contiguous:
+                free = _first_run(free, count)
             if len(free) < count:
                 holders: dict[str, int] = {}
                 for i in range(self.chunks):
@@ -269,7 +272,8 @@ class HostArena:
                     if pid:
                         holders[f"{held_by} (pid {pid})"] = holders.get(f"{held_by} (pid {pid})", 0) + 1
                 raise HostPoolExhausted(
-                    f"{owner!r} needs {count} chunk(s) of {self.chunk_bytes / 1e9:.3f} GB but host arena {self.name} "
+                    f"{owner!r} needs {count} {'adjacent ' if contiguous else ''}chunk(s) of "
+                    f"{self.chunk_bytes / 1e9:.3f} GB but host arena {self.name} "
                     f"has {len(free)} free of {self.chunks} (held in chunks: {holders}). The arena is sized from the "
                     f"plan so that host copies the plan keeps apart cannot coexist: run the steps in the plan's order "
                     f"(peak_device='gpu' releases the trainer backup before the engine mirror is made), or size the "
@@ -288,11 +292,12 @@ class HostArena:
                 if pid == me:
                     self._set(mm, i, 0, "")
 
-    def chunk(self, index: int) -> torch.Tensor:
+    def chunk(self, index: int, count: int = 1) -> torch.Tensor:
+        """Chunk ``index`` (and the ``count - 1`` after it) as one flat ``uint8`` tensor."""
         if self._tensor is None:
             raise StashError(f"host arena {self.name} is closed")
         start = self.header_bytes + index * self.chunk_bytes
-        return self._tensor[start : start + self.chunk_bytes]
+        return self._tensor[start : start + count * self.chunk_bytes]
 
     def pool(self) -> ArenaPool:
         """This process's ``HostPool`` over the arena (one per process; trainer and engine
@@ -333,10 +338,28 @@ class HostArena:
         return f"HostArena({self.name!r}, {self.chunks} x {self.chunk_bytes / 1e9:.3f} GB, pinned={self.pinned})"
 
 
+def _first_run(free: list[int], count: int) -> list[int]:
+    """The lowest ``count`` adjacent indices among the sorted ``free`` ones (fewer: none)."""
+    start = 0
+    for i in range(1, len(free) + 1):
+        if i == len(free) or free[i] != free[i - 1] + 1:
+            if i - start >= count:
+                return free[start : start + count]
+            start = i
+    return []
+
+
 class _ArenaLease(HostLease):
     def __init__(self, pool: ArenaPool, owner: str, nbytes: int, indices: list[int]) -> None:
         super().__init__(pool, owner, nbytes, [pool.arena.chunk(i) for i in indices])
         self.indices = indices
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The lease as one flat tensor (a ``contiguous`` lease only)."""
+        if self.indices != list(range(self.indices[0], self.indices[0] + len(self.indices))):
+            raise StashError(f"lease of {self.owner!r} is not one run of chunks; lease it contiguous=True")
+        return self.pool.arena.chunk(self.indices[0], len(self.indices))  # type: ignore[attr-defined]
 
 
 class ArenaPool(HostPool):
@@ -363,8 +386,8 @@ class ArenaPool(HostPool):
             )
         return 0.0
 
-    def lease(self, owner: str, nbytes: int) -> HostLease:
-        indices = self.arena.take(owner, self.chunks_for(nbytes))
+    def lease(self, owner: str, nbytes: int, contiguous: bool = False) -> HostLease:
+        indices = self.arena.take(owner, self.chunks_for(nbytes), contiguous=contiguous)
         lease = _ArenaLease(self, owner, nbytes, indices)
         with self._lock:
             self._leases[id(lease)] = lease

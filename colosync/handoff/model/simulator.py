@@ -147,7 +147,8 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
         """What one sync holds while it runs, per GPU: the transport's slots (``slots`` buckets,
         a bucket no larger than the update), the receiver's staging of the whole update on the
         engine's device, and the engine's prepared copy (a LoRA adapter beside the served one,
-        or a full update's prepared weights) -- so a full update needs twice its bytes free."""
+        or a full update's prepared weights) -- so a full update staged on the device needs twice
+        its bytes free (see ``sync_staging`` for the bounded one)."""
         if not self.sync_bytes:
             return {R.SYNC_TRANSPORT: 0, R.SYNC_STAGING: 0, R.SYNC_PREPARED: 0, R.SYNC_HOST_STAGING: 0}
         bucket = min(self.sync_bucket_bytes, self.sync_bytes)

@@ -378,7 +378,10 @@ class HandoffExecutor:
         self.host_slack_bytes = host_slack_bytes
         self._remote = [p for p in self.participants if p.remote]
         shared = bool(self._remote) or any(getattr(pool, "arena", None) is not None for pool in self.pools)
-        arenas = [a for a in (getattr(pool, "arena", None) for pool in self.pools) if a is not None]
+        # every arena in play, once: the pools' and the ones remote participants map (their
+        # self-samples leave an arena to this process's sampler, which counts it once)
+        found = [getattr(x, "arena", None) for x in [*self.pools, *self._remote]]
+        arenas = list({a.name: a for a in found if a is not None}.values())
         self.host = HostSampler(roots=[p.pid for p in self._remote], shared=shared, scope=host_scope, arenas=arenas)
         self.device = DeviceSampler()
         on_cuda = any(p.footprint().device_type == "cuda" for p in self.participants)

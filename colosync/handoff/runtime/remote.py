@@ -249,6 +249,8 @@ class RemoteParticipant(MemoryParticipant):
         self.peaks: list[MemorySample] = []
         """The remote process's samples at the peaks the last operation marked."""
         handle = arena.handle() if isinstance(arena, HostArena) else arena
+        self.arena = handle
+        """The shared arena the remote process maps (its samples leave it to the controller's)."""
         self._state = self._call(MemorySetup(handle, chunk_bytes, pin), "setup")
         if self._state.actor != self.actor:
             raise ConfigError(

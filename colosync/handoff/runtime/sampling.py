@@ -20,7 +20,9 @@ every process that maps it (the creator fills it; pinning, or an explicit popula
 maps it in the others), so each process's ``RssShmem`` less the arena mappings its
 ``/proc/<pid>/maps`` lists (a few hundred lines, no page walk) is what it holds besides, and
 the arenas' bytes are added once, to this process (``count_arenas``; a remote participant
-sampling itself leaves them to the controller that samples everyone).
+sampling itself leaves them to the controller that samples everyone). Other shared mappings
+(the ``shm`` transport's slots, a few buckets) then count once per process that maps them:
+an overcount of at most that much, never an undercount.
 ``scope="node"`` reads the node instead (``AnonPages`` + ``Shmem`` of ``/proc/meminfo``):
 what a node-wide budget sees, but also every other job's memory on the node.
 
