@@ -35,6 +35,11 @@ CONFIG = ROOT / "benchmarks" / "mutation" / "mutmut.toml"
 RECORD = ROOT / "benchmarks" / "mutation" / "results.json"
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"  # survivor -> why no test can kill it
 MUTMUT = Path(sys.executable).parent / "mutmut"
+# A private /dev/shm (a mount namespace of its own, needs root): tests/conftest.py fails a run if any
+# /dev/shm/colosync-* segment appeared during it, including one another process made, so on a shared
+# machine someone else's shm test can otherwise turn a surviving mutant into a false kill.
+PRIVATE_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+PRIVATE_SHM += ['mount -t tmpfs -o size=8g,mode=1777 tmpfs /dev/shm && exec "$@"', "private-shm"]
 
 _INVARIANTS = [
     "xǁNoCoexistingHostCopiesǁ*",
@@ -197,6 +202,11 @@ def main() -> int:
         action="store_true",
         help="copy in only the gap tests (tests/**/test_mutation_gaps.py): re-test against the same snapshot",
     )
+    p.add_argument(
+        "--private-shm",
+        action="store_true",
+        help="run mutmut with a /dev/shm of its own (root): other processes' shm segments cannot fail its tests",
+    )
     p.add_argument("--summary-only", action="store_true", help="run nothing; summarize the last run")
     p.add_argument("--record", action="store_true", help=f"write the summary to {RECORD.relative_to(ROOT)}")
     p.add_argument("names", nargs="*", help="mutant names or globs (overrides --modules)")
@@ -212,11 +222,14 @@ def main() -> int:
     if not args.summary_only:
         info = prepare(args.work, args.keep_source)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        wrap = PRIVATE_SHM if args.private_shm else []
         if not any((args.work / "mutants").rglob("*.py.meta")):
             # mutmut makes its mutants (and its per-test stats) only inside `run`: a filter matching nothing
             # does those two steps and stops, so the names below can be chosen from what it made.
             print("generating mutants and test stats (first run in this work tree)", flush=True)
-            subprocess.run(["nice", "-n", str(args.nice), str(MUTMUT), "run", "--", "-none-"], cwd=args.work, env=env)
+            subprocess.run(
+                [*wrap, "nice", "-n", str(args.nice), str(MUTMUT), "run", "--", "-none-"], cwd=args.work, env=env
+            )
         known = statuses(args.work)
         if args.survivors:
             names = [n for n, (st, _) in known.items() if st in ("survived", "no tests") and in_core(n, groups)]
@@ -227,8 +240,20 @@ def main() -> int:
                 names = [n for n in names if known[n][0] == "not checked"]
         if not names:
             print("nothing to test: every chosen mutant has a verdict (--retest to test them again)")
-        cmd = ["nice", "-n", str(args.nice), str(MUTMUT), "run", "--max-children", str(args.max_children), *names]
-        print("running:", " ".join(cmd[:7]), f"<{len(names)} names>", f"in {args.work}", flush=True)
+        cmd = [
+            *wrap,
+            "nice",
+            "-n",
+            str(args.nice),
+            str(MUTMUT),
+            "run",
+            "--max-children",
+            str(args.max_children),
+            *names,
+        ]
+        print(
+            "running:", " ".join(cmd[: len(cmd) - len(names)]), f"<{len(names)} names>", f"in {args.work}", flush=True
+        )
         start = time.monotonic()
         rc = subprocess.run(cmd, cwd=args.work, env=env).returncode if names else 0
         seconds = round(time.monotonic() - start, 1)
@@ -241,6 +266,7 @@ def main() -> int:
         record = {**old, "tool": version.stdout.strip(), "groups": groups, **summary}
         if seconds is not None:  # each run says what it measured: the tree can change between runs
             run = {"groups": groups, "survivors_only": args.survivors, "names": len(names), "s": seconds, **info}
+            run["private_shm"] = args.private_shm
             record["runs"] = [*old.get("runs", []), run]
         RECORD.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
         print("recorded", RECORD.relative_to(ROOT))

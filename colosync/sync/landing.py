@@ -369,7 +369,10 @@ class Landing(abc.ABC):
         self.received[msg.bucket] = msg.offset + msg.nbytes
 
     def missing_buckets(self) -> list[int]:
-        return [b for b, size in enumerate(self.manifest.bucket_sizes) if self.received.get(b, 0) != size]
+        """Buckets not complete yet; an empty one counts as complete only once its (0-byte) Stage came,
+        which is when its tensors are published."""
+        received = self.received
+        return [b for b, size in enumerate(self.manifest.bucket_sizes) if b not in received or received[b] != size]
 
     def verify(self) -> None:
         """Read the verdicts deferred on the device (one transfer) and raise the first failure."""

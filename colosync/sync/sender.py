@@ -310,8 +310,8 @@ class Sender:
         if self._streamer is not None:
             return self._streamer
         bucket_bytes, slots = self.bucket_bytes, self.slots
-        if plan is not None and plan.sizes:  # no bigger than the first update needs
-            bucket_bytes = min(bucket_bytes, align_up(max(plan.sizes), 1 << 16))
+        if plan is not None and plan.sizes:  # no bigger than the first update needs (a slot has at least 64 KiB)
+            bucket_bytes = min(bucket_bytes, align_up(max(*plan.sizes, 1), 1 << 16))
             slots = max(1, min(slots, len(plan.sizes)))
         link, takeover = self.link, self.takeover
         attached = transports.attach_first(

@@ -252,3 +252,50 @@ def test_a_built_plan_round_trips_through_json_as_data(options):
     again = msgspec.json.decode(msgspec.json.encode(plan), type=Plan)
     assert again == plan
     assert all(isinstance(step.why, str) for phase in plan.phases for step in phase.steps)
+
+
+def test_measured_device_memory_may_reach_the_baseline_plus_the_simulated_bytes_and_the_tolerance():
+    from dataclasses import replace
+
+    from colosync.handoff.runtime.executor import Measurement, WithinSimulation
+
+    check = WithinSimulation(tolerance=0.05, host_slack_bytes=0, device_slack_bytes=0)
+
+    def at(device: int):
+        m = Measurement(host_copies=0, host_abs=0, device=device, logical_host=0, held=frozenset())
+        return replace(_context(), measurement=m, expected_device=10 * GB, device_baseline=2 * GB)
+
+    assert check.check(at(2 * GB + int(10.4 * GB))) is None
+    over = check.check(at(2 * GB + int(10.6 * GB)))
+    assert over and "exceeds baseline" in over
+    assert check.check(replace(at(2 * GB + int(10.6 * GB)), device_measured=False)) is None
+
+
+def test_an_arena_holds_whole_chunks_for_copies_that_are_not_a_multiple_of_a_chunk():
+    from colosync.handoff.model.ops import Region
+    from colosync.handoff.model.simulator import arena_bytes
+
+    plan = build_plan(peak_device="gpu")
+    chunk = 1 << 20
+    sizes = {Region.ENGINE_MIRROR: 3 * chunk + 1, Region.TRAINER_BACKUP: 2 * chunk + 5}
+    need = arena_bytes(plan, sizes, chunk_bytes=chunk)
+    assert isinstance(need, int) and need % chunk == 0
+    assert need == 4 * chunk  # gpu mode holds one copy at a time: the larger, in 4 whole chunks
+
+
+def test_when_modes_tie_on_the_gpu_peak_the_cpu_mode_is_recommended():
+    from colosync.handoff.model.simulator import _recommend
+
+    sim = simulate(build_plan(peak_device="gpu"), HandoffSizes(**SIZES))
+    for order in (("gpu", "cpu"), ("cpu", "gpu")):
+        best, why = _recommend(dict.fromkeys(order, sim), HandoffSizes(**SIZES))
+        assert best == "cpu" and why.startswith("every mode fits")
+
+
+def test_when_no_mode_fits_the_reason_names_each_mode_and_its_shortfall():
+    budget = {**SIZES, "host_budget_bytes": 1, "gpu_bytes": 1}
+    result = compare(HandoffSizes(**budget))
+    assert result.recommended is None and result.reason.startswith("no mode fits: ")
+    for mode in result.simulations:
+        assert f"'{mode}': " in result.reason and "over the" in result.reason
+    assert "'None'" not in result.reason
