@@ -10,7 +10,6 @@ tensor, the expectation and the fix.
 from __future__ import annotations
 
 import abc
-import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from colosync.errors import (
 )
 from colosync.wire.bucket import typed_views
 from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,7 @@ def _first_run(free: list[int], count: int) -> list[int]:
 class _ArenaLease(HostLease):
     def __init__(self, pool: ArenaPool, owner: str, nbytes: int, indices: list[int]) -> None:
         super().__init__(pool, owner, nbytes, [pool.arena.chunk(i) for i in indices])
+        self.arena = pool.arena
         self.indices = indices
 
     @property
@@ -359,7 +360,7 @@ class _ArenaLease(HostLease):
         """The lease as one flat tensor (a ``contiguous`` lease only)."""
         if self.indices != list(range(self.indices[0], self.indices[0] + len(self.indices))):
             raise StashError(f"lease of {self.owner!r} is not one run of chunks; lease it contiguous=True")
-        return self.pool.arena.chunk(self.indices[0], len(self.indices))  # type: ignore[attr-defined]
+        return self.arena.chunk(self.indices[0], len(self.indices))
 
 
 class ArenaPool(HostPool):
