@@ -505,21 +505,22 @@ def hf_config(geom: Geometry) -> Any:
         return transformers.Qwen2Config(**common, use_sliding_window=False)
     if geom.arch == "qwen3":
         return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
+    moe = dict(
+        moe_intermediate_size=geom.moe_ffn_hidden_size,
+        num_experts=geom.num_experts,
+        num_experts_per_tok=geom.moe_topk,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.0,
+    )
     if geom.arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common,
-            moe_intermediate_size=geom.moe_ffn_hidden_size,
-            num_experts=geom.num_experts,
-            num_experts_per_tok=geom.moe_topk,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=0.0,
-        )
-    if geom.arch == "qwen3_5":
+        return transformers.Qwen3MoeConfig(**common, **moe)
+    if geom.arch in ("qwen3_5", "qwen3_next"):  # Gated-DeltaNet hybrids
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": geom.rotary_percent}
-        return transformers.Qwen3_5TextConfig(
-            **{**common, "rope_parameters": rope},
+        hybrid = dict(
+            common,
+            rope_parameters=rope,
             attention_bias=False,
             layer_types=[
                 "linear_attention" if i in geom.linear_layers else "full_attention" for i in range(geom.num_layers)
@@ -530,28 +531,9 @@ def hf_config(geom: Geometry) -> Any:
             linear_value_head_dim=geom.linear_value_head_dim,
             linear_conv_kernel_dim=geom.linear_conv_kernel,
         )
-    if geom.arch == "qwen3_next":
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": geom.rotary_percent}
-        return transformers.Qwen3NextConfig(
-            **{**common, "rope_parameters": rope},
-            attention_bias=False,
-            layer_types=[
-                "linear_attention" if i in geom.linear_layers else "full_attention" for i in range(geom.num_layers)
-            ],
-            linear_num_key_heads=geom.linear_key_heads,
-            linear_num_value_heads=geom.linear_value_heads,
-            linear_key_head_dim=geom.linear_key_head_dim,
-            linear_value_head_dim=geom.linear_value_head_dim,
-            linear_conv_kernel_dim=geom.linear_conv_kernel,
-            moe_intermediate_size=geom.moe_ffn_hidden_size,
-            shared_expert_intermediate_size=geom.shared_expert_size,
-            num_experts=geom.num_experts,
-            num_experts_per_tok=geom.moe_topk,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=0.0,
-        )
+        if geom.arch == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(**hybrid)
+        return transformers.Qwen3NextConfig(**hybrid, **moe, shared_expert_intermediate_size=geom.shared_expert_size)
     raise ValueError(geom.arch)
 
 
