@@ -120,3 +120,34 @@ def test_a_sender_killed_mid_push_gives_the_lease_back_and_the_engine_serves_a_w
         after = engine.call(Digest())
         assert after.update_id == report.update_id and after.fingerprints == digest(list(fresh.parameters()))
         sender.close()
+
+
+def test_a_begin_refused_after_the_engine_lent_its_arena_area_gives_the_lease_back():
+    """An engine whose ``staging()`` lends a wrong area (one tensor short: a bug no correct engine has,
+    so the test makes it) is refused at begin; the arena lease it took for the update goes back."""
+    from colosync.engines.synthetic import SyntheticEngine
+    from colosync.errors import TransactionStateError
+    from colosync.sync.link import LocalLink
+    from colosync.sync.receiver import Receiver
+    from colosync.sync.target import Staging
+
+    class ShortLending(SyntheticEngine):
+        def staging(self, manifest):
+            lent = super().staging(manifest)
+            return Staging(list(lent.tensors)[:-1], lent.buckets)
+
+    spec = SyntheticModel(weight_bytes=3 * MiB, tensor_bytes=MiB, dtype="float32")
+    with HostArena.create(8 * MiB, chunk_bytes=2 * MiB, pin="none") as arena:
+        engine = ShortLending(spec, "cpu")
+        engine.stage_full_updates_in(arena.pool())
+        receiver = Receiver(engine, "cpu")
+        try:
+            named = [(n, p.data) for n, p in spec.build("cpu", seed=3).named_parameters()]
+            with (
+                Sender(LocalLink(receiver), transport="shm", bucket_bytes=MiB) as sender,
+                pytest.raises(TransactionStateError, match="staging tensors"),
+            ):
+                sender.push(named)
+            assert arena.leased_bytes == 0, arena.holders()
+        finally:
+            receiver.close()
