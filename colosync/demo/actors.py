@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from colosync.engines.ray_actor import memory_sample
+from colosync.errors import ConfigError
 
 
 class TrainerPlan(msgspec.Struct, frozen=True):
@@ -28,6 +29,18 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     grad_buffer: int  # the part of ``resident`` freed without a backup
     sync_kind: str  # ``lora`` or ``full``
     sync_bytes: int  # the bytes of one push
+
+    def __post_init__(self) -> None:
+        if self.cache < 0:
+            raise ConfigError(
+                f"a trainer's resident bytes ({self.resident}) must cover its backup ({self.backup}) and grad "
+                f"buffer ({self.grad_buffer})"
+            )
+
+    @property
+    def cache(self) -> int:
+        """What ``resident`` holds beyond the backup and the grad buffer: the step's cached temporaries."""
+        return self.resident - self.backup - self.grad_buffer
 
 
 class ServedTrainer:
@@ -185,7 +198,9 @@ class TrainerActor(ServedTrainer):
     def trainer_memory(self, pool: Any) -> Any:
         from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
-        return TorchTrainerMemory(loader=self._load, pool=pool, device=self.device)
+        return TorchTrainerMemory(
+            loader=self._load, pool=pool, device=self.device, cache_bytes=self.planned_sizes().cache
+        )
 
 
 def engine_link(engine: Any, engine_name: str) -> Any:

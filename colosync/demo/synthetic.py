@@ -99,7 +99,13 @@ class SyntheticTrainer(ServedTrainer):
     def trainer_memory(self, pool: Any) -> Any:
         from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
-        return TorchTrainerMemory(loader=self._load, pool=pool, device=self.device, extra_state=lambda: self.moments)
+        return TorchTrainerMemory(
+            loader=self._load,
+            pool=pool,
+            device=self.device,
+            extra_state=lambda: self.moments,
+            cache_bytes=self.planned_sizes().cache,
+        )
 
     def planned_sizes(self) -> TrainerPlan:
         weights = sum(_nbytes(shape, self.spec.torch_dtype) for _, shape in self.spec.layout())

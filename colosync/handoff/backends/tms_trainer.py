@@ -57,10 +57,12 @@ class TmsTrainerMemory(TrainerMemory):
         grad_tag: str = "colosync.trainer.grads",
         hook_mode: str = "torch",
         device: torch.device | str | None = None,
+        cache_bytes: int = 0,
         name: str = "trainer",
     ) -> None:
         super().__init__(name)
         self.tms = _tms(hook_mode)
+        self.cache_bytes = cache_bytes  # as in TorchTrainerMemory: what a step may leave cached
         self.tag = tag
         self.grad_tag = grad_tag
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -110,7 +112,7 @@ class TmsTrainerMemory(TrainerMemory):
             Region.TRAINER_STATE: self.state_bytes,
             Region.TRAINER_BACKUP: self.state_bytes,
             Region.TRAINER_GRADS: self.grad_bytes,
-            Region.TRAINER_CACHE: 0,
+            Region.TRAINER_CACHE: self.cache_bytes,
             Region.TRAINER_LOAD: 0,
         }
 

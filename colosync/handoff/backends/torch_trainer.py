@@ -34,7 +34,10 @@ class TorchTrainerMemory(TrainerMemory):
     builds them on the device — to make ``load()`` part of a plan. ``extra_state`` and
     ``extra_grads`` add tensors the module and optimizer do not list (e.g. Megatron's
     ``main_grad`` buffers). ``backup_grads=True`` backs the gradients up with the state instead
-    of dropping them.
+    of dropping them. ``cache_bytes`` declares the device memory a step may leave in the
+    allocator's cache beyond the state and gradients (activations, optimizer temporaries) until
+    ``clear_memory`` or ``sleep`` returns it: the executor allows that much while the trainer is
+    awake, and no more.
     """
 
     def __init__(
@@ -49,11 +52,15 @@ class TorchTrainerMemory(TrainerMemory):
         extra_grads: Callable[[], Iterable[torch.Tensor]] | None = None,
         backup_grads: bool = False,
         load_host_bytes: int = 0,
+        cache_bytes: int = 0,
         name: str = "trainer",
     ) -> None:
         super().__init__(name)
         if model is None and loader is None:
             raise ConfigError("give the trainer's model (already loaded) or a loader that builds it")
+        if cache_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0 (the step's cached temporaries), got {cache_bytes}")
+        self.cache_bytes = cache_bytes
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
@@ -154,7 +161,7 @@ class TorchTrainerMemory(TrainerMemory):
             Region.TRAINER_STATE: state,
             Region.TRAINER_BACKUP: state,
             Region.TRAINER_GRADS: self._last_grad_bytes,
-            Region.TRAINER_CACHE: 0,
+            Region.TRAINER_CACHE: self.cache_bytes,
             Region.TRAINER_LOAD: self.load_host_bytes,
         }
 

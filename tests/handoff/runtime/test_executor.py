@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colosync.errors import ConfigError
 from colosync.handoff import HandoffError, HandoffInvariantError, Op, OpReport, Region, build_plan
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
@@ -143,3 +144,26 @@ def test_run_with_no_phases_still_returns_a_result():
     trainer, engine, _ = participants()
     result = HandoffExecutor(trainer, engine).run(build_plan(peak_device="gpu"), cycles=0, include_init=False)
     assert result.records == [] and result.peak_device == "gpu"
+
+
+def test_a_declared_trainer_cache_is_expected_on_the_device_until_clear_memory():
+    # What a step leaves in the allocator's cache (optimizer temporaries, activations) is the
+    # trainer's until clear_memory: the device the executor allows includes it exactly then.
+    # On CUDA, a trainer that declared none broke within-simulation at clear_memory.
+    cache = 8 << 20
+    pool = HostPool(chunk_bytes=CHUNK, pin="none")
+    model, kv = make_engine_state()
+    engine = TorchEngineMemory(model, kv, pool=pool, device="cpu")
+    trainer = TorchTrainerMemory(loader=make_trainer_state, pool=pool, device="cpu", cache_bytes=cache)
+    result = HandoffExecutor(trainer, engine).run(build_plan(peak_device="gpu"), cycles=1)
+    assert not result.violations
+    by_step = {(r.phase, r.step): r for r in result.records}
+    clear = by_step[("train_to_rollout", "trainer.clear_memory")]
+    after_clear = by_step[("train_to_rollout", "trainer.offload_grad_buffer")]
+    assert clear.expected_device_peak - after_clear.expected_device_peak == cache
+    assert "trainer.cache" not in clear.held_after
+
+
+def test_a_negative_trainer_cache_is_refused():
+    with pytest.raises(ConfigError, match="cache_bytes must be >= 0"):
+        TorchTrainerMemory(loader=make_trainer_state, device="cpu", cache_bytes=-1)
