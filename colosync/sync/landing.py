@@ -421,12 +421,19 @@ class Landing(abc.ABC):
         cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
-        if src is not None and src.is_cuda and not flat.is_cuda and last and msg.offset == 0:
-            # Staged in host memory (``HostStaging``): check the whole bucket where it is, on the
-            # device, then one device->host copy (asynchronous into pinned memory; the fence waits).
+        if src is not None and src.is_cuda and not flat.is_cuda and (self._on_device or not self._check):
+            # Staged in host memory (``HostStaging``): check each chunk where it is, on the device
+            # (a bucket's fingerprint and flag are the sums of its chunks', gathered in its result
+            # row), then one device->host copy (asynchronous into pinned memory; the fence waits
+            # for it before the slot is reused). A host-side check of the bucket would read it
+            # again, on the CPU.
             self._take_sent(msg.bucket, cell)
-            result = fused.copy_check(src, None, self._segments(b), out=row) if self._check else None
-            flat[: msg.nbytes].copy_(src, non_blocking=flat.is_pinned())
+            result = None
+            if self._check:
+                out = row if row is not None else self._row(msg.bucket)
+                segs = fused.clip(self._segments(b), msg.offset, msg.nbytes)
+                result = fused.copy_check(src, None, segs, offset=msg.offset, out=out)
+            flat[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=flat.is_pinned())
             return flat, result
         if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
             segs = self._segments(b)

@@ -178,6 +178,20 @@ def enabled(device: torch.device) -> bool:
     return _state[device]
 
 
+def clip(segs: list[Segment] | None, offset: int, nbytes: int) -> list[Segment] | None:
+    """The part of a bucket's ``segs`` inside its chunk ``[offset, offset + nbytes)``, relative to
+    the chunk, for ``copy_check(chunk, ..., offset=offset)``: a bucket checked chunk by chunk into
+    one ``out`` gets the fingerprint and flag of the whole (``offset`` and ``nbytes`` multiples of 8)."""
+    if segs is None:
+        return None
+    end = offset + nbytes
+    return [
+        (max(start, offset) - offset, min(stop, end) - offset, lanes, emask, dtype)
+        for start, stop, lanes, emask, dtype in segs
+        if start < end and stop > offset
+    ]
+
+
 def copy_check(
     src: torch.Tensor,
     dst: torch.Tensor | None,
@@ -189,8 +203,9 @@ def copy_check(
 
     ``src`` holds bytes ``[offset, offset + len)`` of a bucket; ``segs`` (from ``segments``,
     relative to ``src``) says which ranges hold which float dtype, or ``None`` to skip the
-    non-finite check. ``out``, if given, is a zeroed int64 pair on ``src``'s device to write
-    the result into (saves an allocation per call). Nothing waits for the device.
+    non-finite check. ``out``, if given, is an int64 pair on ``src``'s device (zeroed before a
+    bucket's first chunk) that the result is added into: it saves an allocation per call, and
+    the chunks of one bucket (``clip``) add up to the bucket's result. Nothing waits for the device.
     """
     device = src.device
     if enabled(device):
@@ -219,7 +234,7 @@ def copy_check(
         maxes = torch._foreach_norm(checked, float("inf"))
         bad = ~torch.isfinite(torch.stack([m.double() for m in maxes])).all()
         result = torch.stack([fp, bad.to(torch.int64)])
-    return out.copy_(result) if out is not None else result
+    return out.add_(result) if out is not None else result
 
 
-__all__ = ["segments", "copy_check", "enabled"]
+__all__ = ["segments", "clip", "copy_check", "enabled"]
