@@ -234,7 +234,7 @@ def copy_check(
         maxes = torch._foreach_norm(checked, float("inf"))
         bad = ~torch.isfinite(torch.stack([m.double() for m in maxes])).all()
         result = torch.stack([fp, bad.to(torch.int64)])
-    return out.add_(result) if out is not None else result
+    return out.add_(result.to(out.device)) if out is not None else result  # (a host bucket's row may be on the GPU)
 
 
 __all__ = ["segments", "clip", "copy_check", "enabled"]
