@@ -43,6 +43,8 @@ class PhaseStats:
     bytes_to_host: int = 0  # what the participants' operations copied device -> host
     bytes_to_device: int = 0  # and host -> device (the sync's bytes are in its SyncReport)
     steps: list[str] = field(default_factory=list)  # the operations, in order
+    op_seconds: dict[str, float] = field(default_factory=dict)  # each operation's seconds
+    op_bytes: dict[str, int] = field(default_factory=dict)  # and the bytes it copied, both ways
     violations: list[str] = field(default_factory=list)
 
 
@@ -118,6 +120,8 @@ class Colocated:
             bytes_to_host=sum(r.report.bytes_to_host for r in records),
             bytes_to_device=sum(r.report.bytes_to_device for r in records),
             steps=[r.step for r in records],
+            op_seconds={r.step: r.seconds for r in records},
+            op_bytes={r.step: r.report.bytes_to_host + r.report.bytes_to_device for r in records},
             violations=[str(v) for v in result.violations[first_violation:]],
         )
 

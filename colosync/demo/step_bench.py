@@ -47,6 +47,7 @@ class StepBenchOptions:
     tensor_bytes: int = 256 << 20
     optimizer_shards: int = 1
     host_scope: str = "processes"  # how the executor counts host memory (see HostSampler)
+    trainer_backend: str = "torch"  # the trainer's sleep/wake: "torch" (the arena) or "tms" (torch_memory_saver)
     seed: int = 0
 
 
@@ -67,6 +68,8 @@ class StepRow:
     sync_floor_s: float  # the sync's bytes device -> host staging -> device
     update_id: int
     violations: list[str] = field(default_factory=list)
+    op_seconds: dict[str, float] = field(default_factory=dict)  # "phase/op": seconds, both handoffs
+    op_bytes: dict[str, int] = field(default_factory=dict)  # "phase/op": bytes copied (the sync's: 0)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class ModeReport:
     init_s: float
     rows: list[StepRow] = field(default_factory=list)
     summary: dict[str, float] = field(default_factory=dict)
+    op_medians_s: dict[str, float] = field(default_factory=dict)  # "phase/op": median seconds
 
 
 @dataclass
@@ -182,6 +186,7 @@ def _run_mode(
         seed=options.seed,
         bucket_bytes=options.bucket_bytes,
         optimizer_shards=options.optimizer_shards,
+        backend=options.trainer_backend,
     )
     cluster = Cluster(
         "process",
@@ -220,7 +225,7 @@ def _run_mode(
         report.modes.append(out)
         for step in range(options.steps):
             out.rows.append(_step(step, cluster, colo, rates, Digest))
-            out.summary = _summary(out)
+            out.summary, out.op_medians_s = _summary(out), _op_medians(out)
             _print_row(out.rows[-1], console, header=step == 0)
             if progress is not None:
                 progress(report)
@@ -270,6 +275,8 @@ def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_re
         sync_floor_s=_floor(sync.bytes, sync.bytes, rates),
         update_id=sync.update_id,
         violations=[*r2t.violations, *t2r.violations],
+        op_seconds={f"{p.phase}/{op}": sec for p in (r2t, t2r) for op, sec in p.op_seconds.items()},
+        op_bytes={f"{p.phase}/{op}": n for p in (r2t, t2r) for op, n in p.op_bytes.items()},
     )
 
 
@@ -298,6 +305,13 @@ def _summary(mode: ModeReport) -> dict[str, float]:
         "device_peak_bytes": max((r.device_peak_bytes for r in mode.rows), default=0),
         "violations": sum(len(r.violations) for r in mode.rows),
     }
+
+
+def _op_medians(mode: ModeReport) -> dict[str, float]:
+    """Each handoff operation's median seconds over the steps after the first, in plan order."""
+    rows = mode.rows[1:] if len(mode.rows) > 1 else mode.rows
+    ops = rows[-1].op_seconds if rows else {}
+    return {op: statistics.median(r.op_seconds.get(op, 0.0) for r in rows) for op in ops}
 
 
 def _print_row(row: StepRow, console: Any, header: bool) -> None:
@@ -346,6 +360,16 @@ def print_summary(report: StepBenchReport, console: Any) -> None:
             str(int(s["violations"])),
         )
     console.print(table)
+    ops = Table(title="where the handoffs' time goes: median seconds per operation")
+    for col in ("mode", "phase/operation", "s", "GB copied", "GB/s"):
+        ops.add_column(col)
+    for m in report.modes:
+        last = m.rows[-1].op_bytes if m.rows else {}
+        for op, sec in m.op_medians_s.items():
+            nbytes = last.get(op, 0)
+            rate = f"{nbytes / sec / 1e9:.1f}" if sec and nbytes else ""
+            ops.add_row(m.peak_device, op, f"{sec:.3f}", f"{nbytes / 1e9:.1f}" if nbytes else "", rate)
+    console.print(ops)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -381,6 +405,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="host memory as the participants' processes (the shared arena counted once) or the node's "
         "anon+shmem (/proc/meminfo: every process on the node)",
     )
+    p.add_argument(
+        "--trainer-backend",
+        choices=["torch", "tms"],
+        default="torch",
+        help="the trainer's sleep/wake: torch (reusable chunks of the shared arena, default) or tms "
+        "(torch_memory_saver with its CPU backup, side by side; needs torch_memory_saver)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--report", type=Path, help="also write the JSON report to this file")
@@ -402,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_bytes=args.tensor,
         optimizer_shards=args.optimizer_shards,
         host_scope=args.host_scope,
+        trainer_backend=args.trainer_backend,
         seed=args.seed,
     )
 

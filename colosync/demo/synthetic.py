@@ -25,6 +25,8 @@ from colosync.engines.synthetic import SyntheticModel, digest
 from colosync.errors import ConfigError
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, Sender
 
+BACKENDS = ("torch", "tms")  # TorchTrainerMemory (the arena), TmsTrainerMemory (torch_memory_saver)
+
 
 class SyntheticTrainer(ServedTrainer):
     """``SyntheticModel``'s weights as trainable bf16 parameters with fp32 Adam moments."""
@@ -40,10 +42,14 @@ class SyntheticTrainer(ServedTrainer):
         seed: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         optimizer_shards: int = 1,
+        backend: str = "torch",
     ) -> None:
         self.spec = SyntheticModel.load(model_dir)
         if optimizer_shards < 1:
             raise ConfigError(f"optimizer_shards must be >= 1, got {optimizer_shards}")
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown trainer backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        self.backend = backend
         layout = self.spec.layout()
         # This rank's share of a distributed optimizer over ``optimizer_shards`` ranks: the fp32
         # moments of the first 1/N of the weights; the rest change by the gradient alone (what
@@ -83,10 +89,13 @@ class SyntheticTrainer(ServedTrainer):
     # -- the model --------------------------------------------------------------------------
     def _load(self) -> tuple[torch.nn.Module, None]:
         """The engine's starting weights (same seed), a zeroed gradient buffer, zero moments."""
+        self._load_state()
+        self._load_grads()
+        assert self.model is not None
+        return self.model, None
+
+    def _load_state(self) -> None:
         model = self.spec.build(self.device)
-        for p in model.parameters():
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)
         self.moments = [
             torch.zeros(p.shape, dtype=torch.float32, device=self.device)
             for p, mine in zip(model.parameters(), self.shard, strict=True)
@@ -94,17 +103,30 @@ class SyntheticTrainer(ServedTrainer):
             for _ in range(2)
         ]
         self.model = model
-        return model, None
+
+    def _load_grads(self) -> None:
+        assert self.model is not None
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+
+    def _load_into(self, memory: Any) -> None:
+        """The same, allocated inside torch_memory_saver's regions (state backed up, grads not)."""
+        with memory.state_region():
+            self._load_state()
+        with memory.grad_region():
+            self._load_grads()
 
     def trainer_memory(self, pool: Any) -> Any:
+        cache = self.planned_sizes().cache
+        if self.backend == "tms":  # side by side: torch_memory_saver's own pinned backup, not the arena
+            from colosync.handoff.backends.tms_trainer import TmsTrainerMemory
+
+            return TmsTrainerMemory(device=self.device, loader=self._load_into, cache_bytes=cache)
         from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
 
         return TorchTrainerMemory(
-            loader=self._load,
-            pool=pool,
-            device=self.device,
-            extra_state=lambda: self.moments,
-            cache_bytes=self.planned_sizes().cache,
+            loader=self._load, pool=pool, device=self.device, extra_state=lambda: self.moments, cache_bytes=cache
         )
 
     def planned_sizes(self) -> TrainerPlan:

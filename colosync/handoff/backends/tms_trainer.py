@@ -9,14 +9,15 @@ here for trainers that already allocate inside its regions and for side-by-side
 measurement (``colosync handoff-bench``). It is imported only when used.
 
 Allocate the trainer's state inside ``state_region()`` and its gradient buffer inside
-``grad_region()`` (no backup: the next step overwrites it).
+``grad_region()`` (no backup: the next step overwrites it), before the plan runs or in the
+``loader(memory)`` that the plan's ``trainer.load`` calls.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,11 +58,13 @@ class TmsTrainerMemory(TrainerMemory):
         grad_tag: str = "colosync.trainer.grads",
         hook_mode: str = "torch",
         device: torch.device | str | None = None,
+        loader: Callable[[TmsTrainerMemory], None] | None = None,
         cache_bytes: int = 0,
         name: str = "trainer",
     ) -> None:
         super().__init__(name)
         self.tms = _tms(hook_mode)
+        self.loader = loader  # builds the model inside this memory's regions, at the plan's load
         self.cache_bytes = cache_bytes  # as in TorchTrainerMemory: what a step may leave cached
         self.tag = tag
         self.grad_tag = grad_tag
@@ -128,7 +131,14 @@ class TmsTrainerMemory(TrainerMemory):
         return self._report(op, started, **fields)
 
     def load(self) -> OpReport:
-        return self._noop("load", "build the model inside state_region() / grad_region()")
+        if self._loaded:
+            return self._noop("load", "already loaded")
+        if self.loader is None:
+            return self._noop("load", "build the model inside state_region() / grad_region(), or pass loader=")
+        loader = self.loader
+        report = self._timed("load", lambda: loader(self))
+        self._cache_held = True
+        return msgspec.structs.replace(report, device_allocated=self.state_bytes + self.grad_bytes)
 
     def sleep(self) -> OpReport:
         if self._asleep:
