@@ -43,8 +43,12 @@ def _tms(hook_mode: str) -> Any:
         raise UnsupportedOperation(why)
     from torch_memory_saver import torch_memory_saver
 
-    if getattr(torch_memory_saver, "_impl", None) is None and hasattr(torch_memory_saver, "hook_mode"):
-        torch_memory_saver.hook_mode = hook_mode  # "torch": no LD_PRELOAD needed
+    # Before its first region: "torch" needs no LD_PRELOAD. (Its getter raises, so no hasattr.)
+    if (
+        getattr(torch_memory_saver, "_impl", None) is None
+        and getattr(torch_memory_saver, "_impl_ctor_kwargs", None) is not None
+    ):
+        torch_memory_saver.hook_mode = hook_mode
     return torch_memory_saver
 
 
