@@ -2,14 +2,18 @@
 # The colocated step on one H200 at the size of issue #12's record: `colosync bench-step` (synthetic
 # engine with 16 GB of bf16 weights and a KV cache filling the GPU; synthetic trainer with the same
 # 16 GB of bf16 weights, a 16 GB bf16 gradient buffer and the fp32 Adam moments of one rank of a
-# 4-way distributed optimizer), both peak-device modes, 10 steps each, a full 16 GB sync inside every
-# train->rollout handoff; then the gpu tests of the synthetic engine and of bench-step.
-# Run from the repository root with the wheels in .whl/ (the H200 host has no msgspec); writes to $OUT.
+# 4-way distributed optimizer), 10 steps, a full 16 GB sync inside every train->rollout handoff;
+# then the gpu tests of the synthetic engine and of bench-step. One mode per device call (a mode
+# takes ~100 s with its start-up; both and the tests fit one call only barely):
+#   run(command="OUT=$OUT BENCH_ARGS='--peak-device gpu' bash benchmarks/h200-step/run.sh", carry=[".whl"])
+#   BENCH_ARGS='--peak-device cpu'; BENCH_ARGS='--peak-device gpu --steps 4 --trainer-backend tms'
+# (the last needs torch_memory_saver's wheel in .whl/). Run from the repository root with the
+# wheels in .whl/ (the H200 host has no msgspec); writes to $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
 OUT=${OUT:-benchmarks/h200-step}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u; } > "$OUT/env.txt" 2>&1
-timeout ${BENCH_TIMEOUT:-330} python3 -m colosync.tools.cli bench-step --weights 16GB --optimizer-shards 4 --steps 10 ${BENCH_ARGS:-} --report "$OUT/bench-step.json" 2>&1 | tee "$OUT/bench-step.txt"
+PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-330} python3 -m colosync.tools.cli bench-step --weights 16GB --optimizer-shards 4 --steps 10 ${BENCH_ARGS:-} --report "$OUT/bench-step.json" 2>&1 | tee "$OUT/bench-step.txt"
 echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench-step.txt"
-timeout ${TEST_TIMEOUT:-110} python3 -m pytest -v -p no:cacheprovider -o addopts="" --timeout 45 --tb=short -rfE tests/demo/test_step_bench.py tests/engines/test_synthetic.py > "$OUT/pytest-gpu.txt" 2>&1
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --timeout 100 --tb=short -rfE tests/demo/test_step_bench.py tests/engines/test_synthetic.py tests/handoff/backends/test_tms_trainer.py > "$OUT/pytest-gpu.txt" 2>&1
 echo "rc=$?" >> "$OUT/pytest-gpu.txt"
 tail -n 30 "$OUT/pytest-gpu.txt"
