@@ -34,7 +34,7 @@ class TrainerPlan(msgspec.Struct, frozen=True):
         if self.cache < 0:
             raise ConfigError(
                 f"a trainer's resident bytes ({self.resident}) must cover its backup ({self.backup}) and grad "
-                f"buffer ({self.grad_buffer})"
+                f"buffer ({self.grad_buffer}): count every device byte the awake trainer holds in resident"
             )
 
     @property

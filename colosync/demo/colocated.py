@@ -12,6 +12,7 @@ and every broken invariant. The weight sync is the plan's ``sync.weights`` step 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from colosync.demo.launch import Cluster
 from colosync.handoff import Region, build_plan
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.model.simulator import HandoffSizes
-from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.executor import HandoffExecutor, StepRecord
 from colosync.handoff.runtime.participants import WeightSync
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, SyncReport
 
@@ -120,8 +121,8 @@ class Colocated:
             bytes_to_host=sum(r.report.bytes_to_host for r in records),
             bytes_to_device=sum(r.report.bytes_to_device for r in records),
             steps=[r.step for r in records],
-            op_seconds={r.step: r.seconds for r in records},
-            op_bytes={r.step: r.report.bytes_to_host + r.report.bytes_to_device for r in records},
+            op_seconds=_per_op(records, lambda r: r.seconds),
+            op_bytes=_per_op(records, lambda r: r.report.bytes_to_host + r.report.bytes_to_device),
             violations=[str(v) for v in result.violations[first_violation:]],
         )
 
@@ -132,6 +133,14 @@ class Colocated:
 
     def close(self) -> None:
         self.arena.close()
+
+
+def _per_op(records: list[StepRecord], value: Callable[[StepRecord], Any]) -> dict[str, Any]:
+    """``value`` of each operation, summed where an operation runs more than once in a phase."""
+    out: dict[str, Any] = {}
+    for r in records:
+        out[r.step] = out.get(r.step, 0) + value(r)
+    return out
 
 
 __all__ = ["Colocated", "PhaseStats"]

@@ -360,7 +360,7 @@ def print_summary(report: StepBenchReport, console: Any) -> None:
             str(int(s["violations"])),
         )
     console.print(table)
-    ops = Table(title="where the handoffs' time goes: median seconds per operation")
+    ops = Table(title="where the handoffs' time goes: median seconds per operation (GB: the last step's)")
     for col in ("mode", "phase/operation", "s", "GB copied", "GB/s"):
         ops.add_column(col)
     for m in report.modes:
@@ -407,7 +407,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--trainer-backend",
-        choices=["torch", "tms"],
+        choices=["torch", "tms"],  # synthetic.BACKENDS (not imported: it would load torch for every command)
         default="torch",
         help="the trainer's sleep/wake: torch (reusable chunks of the shared arena, default) or tms "
         "(torch_memory_saver with its CPU backup, side by side; needs torch_memory_saver)",

@@ -18,8 +18,9 @@ Why it is built this way:
   between updates (and grown to the largest bucket that needed it) rather than allocated
   per update.
 - An engine may lend flat buckets in host memory (``sync.target.HostStaging``: a full
-  update then costs its device nothing). A whole bucket in a device slot is checked there,
-  on the device, and copied to the host once; anything else is copied and checked on the host.
+  update then costs its device nothing). A bucket coming through a device slot is checked
+  there, chunk by chunk (its fingerprint and flag are the sums of its chunks'), and each chunk
+  is copied to the host once; anything else is copied and checked on the host.
 - Chunk order is checked here (``Landing.admit``) because the landing is what knows how many
   bytes of each bucket have arrived; a chunk out of place is refused before anything lands,
   so the update stays in flight and the sender can still abort it cleanly.
@@ -420,20 +421,21 @@ class Landing(abc.ABC):
         row: torch.Tensor | None,
         cell: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The bucket is one run of bytes: copy the chunk to its place; check once the bucket is whole."""
-        if src is not None and src.is_cuda and not flat.is_cuda and (self._on_device or not self._check):
+        """The bucket is one run of bytes: copy the chunk to its place and check it (see the branches)."""
+        words = (msg.offset | msg.nbytes) % 8 == 0  # the device check reads whole int64 words
+        if src is not None and src.is_cuda and not flat.is_cuda and words and (self._on_device or not self._check):
             # Staged in host memory (``HostStaging``): check each chunk where it is, on the device
-            # (a bucket's fingerprint and flag are the sums of its chunks', gathered in its result
-            # row), then one device->host copy (asynchronous into pinned memory; the fence waits
-            # for it before the slot is reused). A host-side check of the bucket would read it
-            # again, on the CPU.
+            # (gathered in the bucket's result row), then copy it to the host, asynchronously into
+            # pinned memory (the fence waits for it before the slot is reused; ``prepare`` before
+            # the engine reads it). A host-side check of the bucket would read it again, on the CPU.
             self._take_sent(msg.bucket, cell)
             result = None
             if self._check:
-                out = row if row is not None else self._row(msg.bucket)
                 segs = fused.clip(self._segments(b), msg.offset, msg.nbytes)
-                result = fused.copy_check(src, None, segs, offset=msg.offset, out=out)
-            flat[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=flat.is_pinned())
+                result = fused.copy_check(src, None, segs, offset=msg.offset, out=self._row(msg.bucket))
+            # fp8 has no device check: ``_landed`` checks the host tensors, so the last copy waits
+            host_check = last and self._finite and b.segments is None
+            flat[msg.offset : msg.offset + msg.nbytes].copy_(src, non_blocking=flat.is_pinned() and not host_check)
             return flat, result
         if self._check and last and msg.offset == 0 and src is not None and src.device == flat.device:
             segs = self._segments(b)

@@ -203,9 +203,11 @@ def copy_check(
 
     ``src`` holds bytes ``[offset, offset + len)`` of a bucket; ``segs`` (from ``segments``,
     relative to ``src``) says which ranges hold which float dtype, or ``None`` to skip the
-    non-finite check. ``out``, if given, is an int64 pair on ``src``'s device (zeroed before a
-    bucket's first chunk) that the result is added into: it saves an allocation per call, and
-    the chunks of one bucket (``clip``) add up to the bucket's result. Nothing waits for the device.
+    non-finite check. ``out``, if given, is an int64 pair (zeroed before a bucket's first chunk)
+    that the result is added into: it saves an allocation per call, and the chunks of one bucket
+    (``clip``) add up to the bucket's result. The fused kernel needs it on ``src``'s device; the
+    PyTorch fallback also adds a host bucket's result into a row on the GPU. Nothing waits for
+    the device.
     """
     device = src.device
     if enabled(device):

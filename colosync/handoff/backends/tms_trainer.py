@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.errors import UnsupportedOperation
+from colosync.errors import ConfigError, UnsupportedOperation
 from colosync.handoff.model.ops import Region
 from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
 
@@ -67,6 +67,8 @@ class TmsTrainerMemory(TrainerMemory):
         name: str = "trainer",
     ) -> None:
         super().__init__(name)
+        if cache_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0 (the step's cached temporaries), got {cache_bytes}")
         self.tms = _tms(hook_mode)
         self.loader = loader  # builds the model inside this memory's regions, at the plan's load
         self.cache_bytes = cache_bytes  # as in TorchTrainerMemory: what a step may leave cached
