@@ -21,6 +21,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# Process groups a task makes (Megatron's parallel state, a 2-D DeviceMesh) outlive it, each
+# with its own gloo threads, and they cannot be destroyed safely (a DeviceMesh made later may
+# reuse one by name). In one CI run the ranks of a world reused across the source tests held
+# ~1,400 threads each, enough to starve two cores (a 35-minute suite, vLLM timing out at start),
+# so a world whose ranks pass this many threads is replaced by fresh ranks before its next task.
+MAX_RANK_THREADS = 128
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -61,12 +68,13 @@ def _serve(
     while (task := tasks.get()) is not None:
         target, args = task
         try:
-            results.put((rank, True, target(rank, size, *args)))
+            ok, payload = True, target(rank, size, *args)
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            ok, payload = False, traceback.format_exc()
         finally:
             if after_task is not None:
                 after_task()
+        results.put((rank, ok, payload, len(os.listdir("/proc/self/task"))))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
@@ -121,8 +129,10 @@ class World:
         failures = []
         try:
             deadline = time.monotonic() + timeout_s
+            threads = 0
             for _ in range(self.size):
-                rank, ok, payload = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, payload, *rest = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                threads = max(threads, *rest, 0)
                 if ok:
                     results[rank] = payload
                 else:  # the others may be stuck in a collective: give them a moment to report too
@@ -139,6 +149,8 @@ class World:
         if failures:
             self.close(kill=True)
             raise AssertionError("\n".join(failures))
+        if threads > MAX_RANK_THREADS:
+            self.close()  # the next run starts fresh ranks (see MAX_RANK_THREADS)
         return [results[r] for r in range(self.size)]
 
     def close(self, kill: bool = False) -> None:
