@@ -63,7 +63,7 @@ def _serve(
             set_up()
         dist.init_process_group(backend, rank=rank, world_size=size)
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), 0))
         return
     while (task := tasks.get()) is not None:
         target, args = task
@@ -131,8 +131,8 @@ class World:
             deadline = time.monotonic() + timeout_s
             threads = 0
             for _ in range(self.size):
-                rank, ok, payload, *rest = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
-                threads = max(threads, *rest, 0)
+                rank, ok, payload, rank_threads = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                threads = max(threads, rank_threads)
                 if ok:
                     results[rank] = payload
                 else:  # the others may be stuck in a collective: give them a moment to report too
