@@ -5,9 +5,11 @@ an asyncio loop with one task per connection: a client that sends half a message
 authenticates, stops reading its replies or dies only ever blocks its own task, and each of
 those has a deadline (authentication, the rest of a message once its header arrived). Engine
 work runs on one worker thread in arrival order, so the loop keeps accepting and reading
-while the engine computes. When a connection ends for any reason the host is told at once
-(``EngineHost.close_session``), which aborts that client's in-flight update: a trainer killed
-mid-push costs its own update within milliseconds, not a 60 s timeout.
+while the engine computes; that thread writes each reply straight into its socket when the
+socket takes it at once (``_Replies``), so a request costs one thread switch, not two. When
+a connection ends for any reason the host is told at once (``EngineHost.close_session``),
+which aborts that client's in-flight update: a trainer killed mid-push costs its own update
+within milliseconds, not a 60 s timeout.
 
 Why asyncio streams rather than pyzmq (which vLLM and SGLang use for their engine IPC):
 ZeroMQ's ROUTER socket hides the connection a message came from, so a peer that dies is
@@ -165,9 +167,8 @@ class ChannelServer:
             self._tasks.add(task)
         self.connections += 1
         session = await loop.run_in_executor(self._engine, self._open, _peer_pid(writer))
-        replies: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue(self.deadlines.pending_replies)
-        submitted: deque[asyncio.Future[bytes]] = deque()  # sent to the engine thread, reply not yet written
-        writing = asyncio.create_task(self._write_replies(writer, replies, submitted))
+        replies = _Replies(loop, writer, self.deadlines.pending_replies)
+        submitted: deque[concurrent.futures.Future[None]] = deque()  # handed to the engine thread
         why = "the client closed the connection"
         try:
             while True:
@@ -176,10 +177,12 @@ class ChannelServer:
                 if size > MAX_MESSAGE_BYTES:
                     why = f"it announced a {size}-byte message (limit {MAX_MESSAGE_BYTES})"
                     break
-                data = await asyncio.wait_for(reader.readexactly(size), self.deadlines.message_s)
-                future = loop.run_in_executor(self._engine, self._handle, session, data)
-                submitted.append(future)
-                await replies.put(future)
+                async with asyncio.timeout(self.deadlines.message_s):
+                    data = await reader.readexactly(size)
+                await replies.admit()  # a client that reads no replies has its reads paused
+                submitted.append(self._engine.submit(self._serve_one, session, data, replies))
+                while submitted and submitted[0].done():
+                    submitted.popleft()
         except TimeoutError:
             why = f"it stopped mid-message for {self.deadlines.message_s}s"
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -192,10 +195,8 @@ class ChannelServer:
             # its session ends, which aborts its update.
             for future in submitted:
                 future.cancel()
-            await asyncio.gather(*submitted, return_exceptions=True)
-            writing.cancel()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await writing
+            await asyncio.gather(*map(asyncio.wrap_future, submitted), return_exceptions=True)
+            replies.close()  # no reply is written after this, so the socket can be closed
             await loop.run_in_executor(self._engine, self._safe, self._close, session, why)
             writer.close()
             self.connections -= 1
@@ -203,28 +204,87 @@ class ChannelServer:
                 self._tasks.discard(task)
             log.info("engine channel: client left: %s", why)
 
-    @staticmethod
-    async def _write_replies(
-        writer: asyncio.StreamWriter, replies: asyncio.Queue, submitted: deque[asyncio.Future[bytes]]
-    ) -> None:
-        alive = True
-        while (pending := await replies.get()) is not None:
-            try:
-                data = await pending
-            except Exception:  # the host never raises; if it did, the reply stream would be out of step
-                log.exception("engine channel: a request failed without a reply; dropping the client")
-                alive = False
-                writer.transport.abort()
-            finally:
-                submitted.popleft()
-            if not alive:
-                continue  # keep consuming, so the reader never blocks on a full queue
-            try:
-                writer.write(frame(data))
-                await writer.drain()
-            except (ConnectionError, RuntimeError):  # the client is gone: drop its replies, end its reads
-                alive = False
-                writer.transport.abort()
+    def _serve_one(self, session: Any, data: bytes, replies: _Replies) -> None:
+        """On the engine thread: one request, and its reply written from here (see ``_Replies``)."""
+        try:
+            reply = self._handle(session, data)
+        except Exception:  # the host never raises; if it did, the reply stream would be out of step
+            log.exception("engine channel: a request failed without a reply; dropping the client")
+            replies.abort()
+            return
+        replies.send(reply)
+
+
+class _Replies:
+    """One connection's replies, written by the engine thread straight into the socket.
+
+    Handing each reply back to the event loop would cost a thread switch and a loop wake-up
+    per message, about half of a round trip. So the engine thread writes a reply itself
+    while the socket takes it whole at once (a client that reads its replies). The first
+    reply the socket does not take whole, and every reply after it, goes through the loop's
+    transport, which buffers it, so the engine thread never blocks on a client that stopped
+    reading. Only one side writes at a time and the switch happens once, so replies stay in
+    order. The loop pauses a client's reads while ``limit`` of its requests are unanswered or
+    its transport holds a backlog (``admit``).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter, limit: int) -> None:
+        self._loop, self._writer, self._limit = loop, writer, max(1, limit)
+        self._fd = writer.get_extra_info("socket").fileno()
+        self._lock = threading.Lock()
+        self._via_loop = False  # the socket once refused a whole reply: every later one goes through the loop
+        self._closed = False
+        self._in_flight = 0  # requests handed to the engine thread whose reply is not written or buffered yet
+        self._room: asyncio.Event | None = None  # set, on the loop, once the waiting reader may go on
+
+    async def admit(self) -> None:
+        """Wait (on the loop) until this client may have one more request in flight."""
+        if self._via_loop:
+            await self._writer.drain()  # the transport's backlog is under its high-water mark
+        while True:
+            with self._lock:
+                if self._in_flight < self._limit:
+                    self._in_flight += 1
+                    self._room = None
+                    return
+                room = self._room = asyncio.Event()
+            await room.wait()
+
+    def send(self, data: bytes) -> None:
+        """On the engine thread: write one reply, at once if the socket takes it, else through the loop."""
+        payload = frame(data)
+        with self._lock:
+            self._in_flight -= 1
+            if self._room is not None and self._in_flight < self._limit:
+                self._loop.call_soon_threadsafe(self._room.set)
+            if self._closed:
+                return
+            if not self._via_loop:
+                try:
+                    written = os.write(self._fd, payload)
+                except BlockingIOError:
+                    written = 0
+                except OSError:  # the client is gone; its reader sees the end and closes
+                    self._closed = True
+                    return
+                payload = payload[written:]
+                self._via_loop = bool(payload)
+            if payload:
+                self._loop.call_soon_threadsafe(self._write, payload)
+
+    def _write(self, payload: bytes) -> None:
+        if not self._closed:
+            self._writer.write(payload)
+
+    def abort(self) -> None:
+        """Drop the client (from any thread): its reply stream can no longer be trusted to be in order."""
+        with self._lock:
+            self._closed = True
+        self._loop.call_soon_threadsafe(self._writer.transport.abort)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 # =========================================================================================

@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 import time
 
+import msgspec
+
 from colosync.errors import EngineBusyError
 from colosync.wire.protocol import Status
 from tests.faults.clients import HEADER, closed_by_engine, raw_client, send
@@ -20,6 +22,8 @@ def answered_promptly(fault_engine, within_s: float = 1.0) -> None:
     """A fresh, well-behaved client connects and gets a Status reply within ``within_s``."""
     started = time.monotonic()
     link = fault_engine.engine.connect("bystander")
+    link._sock.settimeout(within_s)  # a blocked engine fails the test here instead of hanging it
+    link.timeout_s = within_s
     try:
         link.call(Status())
     finally:
@@ -109,4 +113,26 @@ def test_an_owner_that_dies_mid_update_releases_the_engine_to_the_next_sender(fa
     with Sender(second, transport="shm") as replacement:
         replacement.push(fault_engine.updates[before])
     second.close()
+    fault_engine.healthy({before})
+
+
+def test_a_client_that_never_reads_its_replies_blocks_nobody(fault_engine):
+    """Thousands of requests and not one reply read. The engine thread writes replies into the
+    socket itself; once the socket is full it must hand them to the loop rather than block on
+    it (a blocked engine thread would never answer the bystander), and the loop pauses the
+    client's reads. The bystander waits at most for the requests queued before its own."""
+    before = fault_engine.healthy({"base", "new"})
+    sock = raw_client(fault_engine.engine.address)
+    sock.settimeout(1.0)
+    batch = b"".join(HEADER.pack(len(m)) + m for m in [msgspec.msgpack.encode(Status())] * 1000)
+    sent = 0
+    try:
+        for _ in range(8):  # ~360 KB of replies unread: more than a Unix socket holds
+            sock.sendall(batch)
+            sent += 1000
+    except TimeoutError:
+        pass  # the engine stopped reading this client: what the test wants, too
+    answered_promptly(fault_engine, within_s=5.0)
+    assert sent >= 5000, f"the engine stopped reading after {sent} requests, before the socket could fill"
+    sock.close()
     fault_engine.healthy({before})
