@@ -19,6 +19,7 @@ import torch
 
 from colosync.errors import ManifestError
 from colosync.wire.bucket import TensorSpec, plan_buckets, typed_views
+from colosync.wire.gather import GatherTable
 from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 
 STAGING = -1
@@ -63,6 +64,7 @@ class Plan:
         self.arena: list[torch.Tensor] | None = None  # the tensors, where they live in transport slot 0
         self._views: dict[ViewKey, list[torch.Tensor]] = {}
         self._gap_index: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._gather: dict[tuple[int, torch.device], GatherTable] = {}
 
     def manifest(self, update_id: int, lora: LoraSpec | None) -> UpdateManifest:
         return UpdateManifest(update_id, "lora" if lora else "full", self.layout, lora)
@@ -81,12 +83,24 @@ class Plan:
             views = self._views[key] = typed_views(packed, self.metas[i0:i1])
         with torch.no_grad():
             torch._foreach_copy_(views, srcs, non_blocking=True)
-        if self.gaps[key.bucket]:  # padding is whatever the buffer held: make it zero
-            index = self._gap_index.get((key.bucket, packed.device))
+        self.zero_gaps(key.bucket, packed)
+
+    def zero_gaps(self, bucket: int, packed: torch.Tensor) -> None:
+        """Zero the padding of bucket ``bucket`` packed in ``packed`` (whatever the buffer held there before)."""
+        if self.gaps[bucket]:
+            index = self._gap_index.get((bucket, packed.device))
             if index is None:
-                index = torch.cat([torch.arange(a, b) for a, b in self.gaps[key.bucket]]).to(packed.device)
-                self._gap_index[(key.bucket, packed.device)] = index
+                index = torch.cat([torch.arange(a, b) for a, b in self.gaps[bucket]]).to(packed.device)
+                self._gap_index[(bucket, packed.device)] = index
             packed.index_fill_(0, index, 0)
+
+    def gather_table(self, bucket: int, device: torch.device) -> GatherTable:
+        """The gather kernel's rows for bucket ``bucket`` on ``device`` (``wire.gather``), made once."""
+        table = self._gather.get((bucket, device))
+        if table is None:
+            i0, i1 = self.bounds[bucket]
+            table = self._gather[(bucket, device)] = GatherTable(self.metas[i0:i1], device)
+        return table
 
     def drop_views(self, staging_only: bool = False) -> None:
         """Forget the views of buffers that were replaced or freed: the staging buffer's, or all (and the arena)."""

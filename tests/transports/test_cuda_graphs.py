@@ -196,6 +196,9 @@ def test_new_source_storage_lands_after_replays(sink):
         second = named(2)  # same layout, new storage
         sender.push(second)
         assert_served(sink, second)
+        # packed by the gather kernel, whose one graph reads the sources through its rows: rewritten, not re-keyed
+        table = sender._plans.last.gather_table(0, torch.device("cuda", torch.cuda.current_device()))
+        assert table.ptrs == tuple(t.data_ptr() for _, t in second)
         transposed = [*first[:-1], ("sq", first[-1][1].t())]  # same storage and shape, other strides
         sender.push(transposed)
         assert_served(sink, transposed)
