@@ -22,6 +22,8 @@ from colosync.wire.bucket import TensorSpec, plan_buckets, typed_views
 from colosync.wire.gather import GatherTable
 from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
 STAGING = -1
 """``ViewKey.slot`` of the Sender's staging buffer (a bucket that cannot be packed into a slot)."""
 
@@ -38,6 +40,10 @@ class Plan:
 
     def __init__(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> None:
         self.specs = [TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in specs]
+        # the specs column by column, which is how ``Plans.find`` compares a push's tensors with them
+        self.names = [s.name for s in self.specs]
+        self.shapes = [s.shape for s in self.specs]
+        self.dtypes = [s.dtype for s in self.specs]
         self.layout: Layout = plan_buckets(self.specs, bucket_bytes)
         metas, sizes = self.layout.tensors, self.layout.bucket_sizes
         self.metas: tuple[TensorMeta, ...] = metas
@@ -120,6 +126,25 @@ class Plans:
         self.last: Plan | None = None
         self._last_specs: list[tuple[str, Sequence[int], torch.dtype]] | None = None  # as the caller built them
         self._plans: OrderedDict[tuple[tuple[str, Sequence[int], torch.dtype], ...], Plan] = OrderedDict()
+
+    def find(self, names: list[str], tensors: list[torch.Tensor], bucket_bytes: int) -> Plan:
+        """The plan for these named tensors, reading each tensor's shape and dtype once.
+
+        A push that repeats the last plan costs three list comparisons; one of the arena's own
+        tensors (``Sender.arena``: shapes and dtypes fixed by the plan that made them) costs a
+        comparison of names and identities only.
+        """
+        last = self.last
+        if last is not None and names == last.names:
+            arena = last.arena
+            if arena is not None and len(arena) == len(tensors) and all(map(operator.is_, tensors, arena)):
+                return last
+            shapes, dtypes = list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
+            if shapes == last.shapes and dtypes == last.dtypes:
+                return last
+        else:
+            shapes, dtypes = list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
+        return self.get(list(zip(names, shapes, dtypes, strict=True)), bucket_bytes)
 
     def get(self, specs: list[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> Plan:
         """The plan for ``specs``, made once per layout (a repeated layout costs one list comparison)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,7 +34,6 @@ from colosync.wire.protocol import Abort, Attach, Begin, Commit, Detach, Prepare
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 Specs = Sequence[tuple[str, Sequence[int], torch.dtype]]  # TensorSpecs, or plain (name, shape, dtype)
 
 
@@ -159,9 +157,9 @@ class Sender:
         """
         start = time.perf_counter()
         items = named if isinstance(named, list) else list(named)
-        tensors = [t for _, t in items]
-        specs = list(zip([n for n, _ in items], map(_SHAPE, tensors), map(_DTYPE, tensors), strict=True))
-        return self._resync_once(lambda: self._push(specs, tensors, None, lora, update_id, start, verify), update_id)
+        names, tensors = [n for n, _ in items], [t for _, t in items]
+        plan = self._plans.find(names, tensors, self.bucket_bytes)
+        return self._resync_once(lambda: self._push(plan, tensors, None, lora, update_id, start, verify), update_id)
 
     def push_stream(
         self,
@@ -181,7 +179,8 @@ class Sender:
         normalized: list[tuple[str, Sequence[int], torch.dtype]] = [
             (n, tuple(shape), dtype) for n, shape, dtype in specs
         ]
-        return self._push(normalized, None, StreamSource(tensors), lora, update_id, start, verify)
+        plan = self._plans.get(normalized, self.bucket_bytes)
+        return self._push(plan, None, StreamSource(tensors), lora, update_id, start, verify)
 
     def arena(self, specs: Specs, device: torch.device | str) -> list[torch.Tensor]:
         """Tensors for ``specs`` that live inside the transport's shared buffer (``cuda_ipc``).
@@ -246,7 +245,7 @@ class Sender:
 
     def _push(
         self,
-        specs: list[tuple[str, Sequence[int], torch.dtype]],
+        plan: Plan,
         tensors: list[torch.Tensor] | None,
         source: StreamSource | None,
         lora: LoraSpec | None,
@@ -254,7 +253,6 @@ class Sender:
         start: float,
         verify: Probe | None,
     ) -> SyncReport:
-        plan = self._plans.get(specs, self.bucket_bytes)
         if self._arena is not None and plan is not self._arena:
             raise TransportError(
                 f"this Sender's buffer is an arena for {len(self._arena.metas)} tensors; pushing other tensors "

@@ -54,6 +54,28 @@ def test_plan_is_reused_and_padding_is_zeroed_in_the_slot(sink):
         assert sender._plans.last is not plan and list(engine.tensors) == ["a"]
 
 
+def test_a_repeated_push_finds_its_plan_and_any_change_of_shape_dtype_or_name_makes_a_new_one():
+    from colosync.sync.plan import Plans
+
+    plans = Plans()
+    names = ["a", "b"]
+    first = plans.find(names, [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)], 1 << 20)
+    again = plans.find(list(names), [torch.ones(3, 4), torch.ones(5, dtype=torch.int64)], 1 << 20)
+    assert again is first  # other tensors, same names, shapes and dtypes: the same plan
+    reshaped = plans.find(names, [torch.zeros(4, 3), torch.zeros(5, dtype=torch.int64)], 1 << 20)
+    assert reshaped is not first and reshaped.shapes == [(4, 3), (5,)]
+    retyped = plans.find(names, [torch.zeros(4, 3), torch.zeros(5, dtype=torch.int32)], 1 << 20)
+    assert retyped is not reshaped and retyped.dtypes == [torch.float32, torch.int32]
+    renamed = plans.find(["a", "c"], [torch.zeros(4, 3), torch.zeros(5, dtype=torch.int32)], 1 << 20)
+    assert renamed is not retyped and renamed.names == ["a", "c"]
+    assert plans.find(names, [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)], 1 << 20) is first  # kept
+    arena = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)]
+    first.arena = arena
+    assert plans.find(names, arena, 1 << 20) is first  # its own arena tensors: names and identities
+    resized = [arena[0], torch.zeros(6, dtype=torch.int64)]  # not the arena's: shapes are read again
+    assert plans.find(names, resized, 1 << 20) is not first
+
+
 def test_transport_is_no_bigger_than_the_first_update_needs(sink):
     _, link = sink
     with Sender(link, transport="shm", bucket_bytes=64 << 20, slots=2) as sender:
