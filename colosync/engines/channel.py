@@ -6,7 +6,7 @@ authenticates, stops reading its replies or dies only ever blocks its own task, 
 those has a deadline (authentication, the rest of a message once its header arrived). Engine
 work runs on one worker thread in arrival order, so the loop keeps accepting and reading
 while the engine computes; that thread writes each reply straight into its socket when the
-socket takes it at once (``_Replies``), so a request costs one thread switch, not two. When
+socket takes it at once (``_ReplyWriter``), so a request costs one thread switch, not two. When
 a connection ends for any reason the host is told at once (``EngineHost.close_session``),
 which aborts that client's in-flight update: a trainer killed mid-push costs its own update
 within milliseconds, not a 60 s timeout.
@@ -43,8 +43,8 @@ import msgspec
 
 from colosync.engines.config import EngineAddress
 from colosync.errors import AuthenticationError, EngineError, ManifestError
-from colosync.sync.link import unwrap
-from colosync.wire.protocol import MAX_MESSAGE_BYTES, Codec, Failed, Hello
+from colosync.sync.link import Pending, batch_parts, unwrap
+from colosync.wire.protocol import MAX_MESSAGE_BYTES, Batch, Codec, Commit, Failed, Hello, Prepare, Stage
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class ChannelServer:
             self._tasks.add(task)
         self.connections += 1
         session = await loop.run_in_executor(self._engine, self._open, _peer_pid(writer))
-        replies = _Replies(loop, writer, self.deadlines.pending_replies)
+        replies = _ReplyWriter(loop, writer, self.deadlines.pending_replies)
         submitted: deque[concurrent.futures.Future[None]] = deque()  # handed to the engine thread
         why = "the client closed the connection"
         try:
@@ -204,8 +204,8 @@ class ChannelServer:
                 self._tasks.discard(task)
             log.info("engine channel: client left: %s", why)
 
-    def _serve_one(self, session: Any, data: bytes, replies: _Replies) -> None:
-        """On the engine thread: one request, and its reply written from here (see ``_Replies``)."""
+    def _serve_one(self, session: Any, data: bytes, replies: _ReplyWriter) -> None:
+        """On the engine thread: one request, and its reply written from here (see ``_ReplyWriter``)."""
         try:
             reply = self._handle(session, data)
         except Exception:  # the host never raises; if it did, the reply stream would be out of step
@@ -215,7 +215,7 @@ class ChannelServer:
         replies.send(reply)
 
 
-class _Replies:
+class _ReplyWriter:
     """One connection's replies, written by the engine thread straight into the socket.
 
     Handing each reply back to the event loop would cost a thread switch and a loop wake-up
@@ -330,6 +330,10 @@ class SocketLink:
             pending = _Pending(self)
             self._waiting.append(pending)
         return pending
+
+    def submit_batch(self, requests: list[Stage | Prepare | Commit]) -> list[Pending]:
+        """Send ``requests`` as one ``Batch`` (one hop to the engine thread); one pending reply each."""
+        return batch_parts(self.submit(Batch(requests)), len(requests))
 
     def call(self, request: msgspec.Struct) -> Any:
         return self.submit(request).wait()

@@ -33,7 +33,7 @@ import msgspec
 import torch
 
 from colosync.engines.config import EngineConfig, Score, Scores
-from colosync.errors import ColosyncError, ConfigError, EngineBusyError, FailedClosedError, ManifestError
+from colosync.errors import ColosyncError, ConfigError, EngineBusyError, EngineError, FailedClosedError, ManifestError
 from colosync.sync.delivery import Deviation, delivery_error
 from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
@@ -42,6 +42,8 @@ from colosync.wire.protocol import (
     Abort,
     Ack,
     Attach,
+    Batch,
+    BatchReply,
     Codec,
     Commit,
     Delivery,
@@ -166,7 +168,10 @@ class LinkTransactions:
 def codecs(requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()) -> tuple[Codec, Codec]:
     """Request and reply codecs for the transaction messages plus an engine's own."""
     # Unions built at run time from the engine's own message types.
-    return (Codec(Union[(*TRANSACTION_TYPES, *requests)]), Codec(Union[(Ack, Failed, *replies)]))
+    return (
+        Codec(Union[(*TRANSACTION_TYPES, Batch, *requests)]),
+        Codec(Union[(Ack, Failed, BatchReply, *replies)]),
+    )
 
 
 class EngineHost:
@@ -246,6 +251,9 @@ class EngineHost:
         if isinstance(request, Failed):  # what decode returned for bytes that were not a request
             return request
         session = session or self._local
+        if type(request) is Batch:  # each request exactly as if it had come alone
+            replies = [self.handle(part, session) for part in request.requests]
+            return BatchReply([r if isinstance(r, Ack | Failed) else _not_a_transaction_reply(r) for r in replies])
         with self._lock:
             try:
                 self.transactions.check_timeout()  # hosts without a timer still expire abandoned updates
@@ -375,6 +383,10 @@ class EngineHost:
 
     def close(self) -> None:
         self.transactions.close()
+
+
+def _not_a_transaction_reply(reply: msgspec.Struct) -> Failed:
+    return Failed.from_exception(EngineError(f"a batched request was answered with {type(reply).__name__}"))
 
 
 def build_host(config: Any, handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None) -> EngineHost:

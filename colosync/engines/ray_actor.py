@@ -24,8 +24,8 @@ from colosync.engines.host import build_host, codecs
 from colosync.engines.process import engine_memory_factory
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.runtime.remote import MEMORY_REPLIES, MEMORY_REQUESTS, MemoryService, RemoteEngineMemory
-from colosync.sync.link import unwrap
-from colosync.wire.protocol import ArenaHandle, Codec
+from colosync.sync.link import Pending, batch_parts, unwrap
+from colosync.wire.protocol import ArenaHandle, Batch, Codec, Commit, Prepare, Stage
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class RayLink:
 
     def submit(self, request: msgspec.Struct) -> RayPending:
         return RayPending(self._actor.handle.remote(self._codec.encode(request)), self._reply_codec)
+
+    def submit_batch(self, requests: list[Stage | Prepare | Commit]) -> list[Pending]:
+        """Send ``requests`` as one ``Batch`` (one actor call); one pending reply each."""
+        return batch_parts(self.submit(Batch(requests)), len(requests))
 
     def call(self, request: msgspec.Struct) -> Any:
         return self.submit(request).wait()

@@ -17,7 +17,7 @@ import msgspec
 
 from colosync.errors import ColosyncError, EngineError
 from colosync.sync.receiver import Receiver
-from colosync.wire.protocol import Ack, Codec, Failed, TransactionRequest
+from colosync.wire.protocol import Ack, BatchReply, Codec, Commit, Failed, Prepare, Stage, TransactionRequest
 
 
 class Pending(Protocol):
@@ -29,6 +29,33 @@ class Link(Protocol):
     def submit(self, request: TransactionRequest) -> Pending: ...
 
     def close(self) -> None: ...
+
+
+class BatchingLink(Link, Protocol):
+    """A link to an ``EngineHost`` (a socket, a Ray actor): several requests can go as one ``Batch``."""
+
+    def submit_batch(self, requests: list[Stage | Prepare | Commit]) -> list[Pending]: ...
+
+
+class BatchPart:
+    """The reply to one request of a ``Batch``: its place in the batch's ``BatchReply``."""
+
+    def __init__(self, batch: Pending, index: int) -> None:
+        self._batch, self._index = batch, index
+
+    def wait(self) -> Ack:
+        reply = self._batch.wait()  # raises if the batch as a whole was refused
+        if not isinstance(reply, BatchReply) or self._index >= len(reply.replies):
+            raise EngineError(f"the engine answered a Batch with {type(reply).__name__}; this is a colosync bug")
+        part = reply.replies[self._index]
+        if isinstance(part, Failed):
+            raise part.to_exception()
+        return part
+
+
+def batch_parts(batch: Pending, count: int) -> list[Pending]:
+    """One pending reply per request of a ``Batch`` whose own pending reply is ``batch``."""
+    return [BatchPart(batch, i) for i in range(count)]
 
 
 class Done:

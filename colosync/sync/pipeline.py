@@ -102,11 +102,12 @@ class SlotPipeline:
         begin: Begin,
         flush: Callable[[], None] = _no_flush,
         timer: PhaseTimer | None = None,
+        submit_batch: Callable[[list[Any]], list[Pending]] | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.lag = 1 if num_slots >= 2 else 0  # which later Stage's reply frees a slot
         self.timer = timer if timer is not None else PhaseTimer()
-        self._submit, self._flush = submit, flush
+        self._submit, self._flush, self._submit_batch = submit, flush, submit_batch
         self._replies: list[Pending] = [submit(begin)]  # Begin's, then Stage k's at index k + 1
         self._read = 0  # replies[:_read] have been read
         self._last_use = [-1] * num_slots  # the chunk that last wrote each slot
@@ -143,12 +144,16 @@ class SlotPipeline:
     def finish(self, prepare: Prepare, commit: Commit) -> Ack:
         """Send what is held, then ``prepare`` and ``commit``, and read every reply (the first failure raises).
 
-        Returns the Commit's reply (its ``delivery`` says what the engine checked)."""
-        self.send_held()
+        With ``submit_batch`` (a link to an ``EngineHost``) the held Stages, Prepare and Commit
+        go as one ``Batch``. Returns the Commit's reply (its ``delivery`` says what the engine checked)."""
+        tail: list[Any] = [self._ready(*self._held.popleft()) for _ in range(len(self._held))]
+        tail += [prepare, commit]
         t = time.perf_counter()
         replies = self._replies
-        replies.append(self._submit(prepare))
-        replies.append(self._submit(commit))
+        if self._submit_batch is not None:
+            replies += self._submit_batch(tail)
+        else:
+            replies += map(self._submit, tail)
         for pending in replies[self._read : -1]:
             pending.wait()
         t = self.timer.add("prepare", t)
@@ -169,6 +174,10 @@ class SlotPipeline:
         self.timer.add("stage", t)
 
     def _send(self, stage: Stage, fence: Any, fp: Any) -> None:
+        self._replies.append(self._submit(self._ready(stage, fence, fp)))
+
+    def _ready(self, stage: Stage, fence: Any, fp: Any) -> Stage:
+        """``stage`` once its bytes may be read: its fence passed, the transport flushed, its fingerprint in."""
         t = time.perf_counter()
         if fence is not None:
             fence.synchronize()
@@ -176,7 +185,7 @@ class SlotPipeline:
         if fp is not None:
             stage = msgspec.structs.replace(stage, fingerprint=int(fp.item() if isinstance(fp, torch.Tensor) else fp))
         self.timer.add("transfer", t)
-        self._replies.append(self._submit(stage))
+        return stage
 
 
 class BucketStreamer:

@@ -271,7 +271,8 @@ class Sender:
         manifest = plan.manifest(uid, lora)
         timer = PhaseTimer()
         try:
-            pipe = SlotPipeline(transport.num_slots, self.link.submit, Begin(manifest), transport.flush, timer)
+            batch = getattr(self.link, "submit_batch", None)  # a link to an EngineHost sends the tail as one message
+            pipe = SlotPipeline(transport.num_slots, self.link.submit, Begin(manifest), transport.flush, timer, batch)
             streamer.stream(plan, uid, pipe, tensors, source)
             if source is not None:
                 source.finish()

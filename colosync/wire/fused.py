@@ -34,6 +34,8 @@ _LANES = {
     torch.float64: (8, 0x7FF0000000000000),
 }
 _BLOCK = 1024  # int64 words per program step
+_WARPS = 4
+_WAVES = 4  # programs per multiprocessor (the grid is at most this many times the SM count)
 
 
 def segments(metas: Sequence[TensorMeta], size: int) -> list[Segment] | None:
@@ -114,7 +116,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor | None, out: torch.Tensor, word
     sms = _sms.get(src.device)
     if sms is None:
         sms = _sms[src.device] = torch.cuda.get_device_properties(src.device).multi_processor_count
-    grid = (max(1, min(triton_cdiv(n, _BLOCK), 4 * sms)),)
+    grid = (max(1, min(triton_cdiv(n, _BLOCK), _WAVES * sms)),)
     _kernel[grid](
         words,
         dst.view(torch.int64) if dst is not None else words,
@@ -125,7 +127,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor | None, out: torch.Tensor, word
         LANES=lanes,
         EMASK=emask,
         BLOCK=_BLOCK,
-        num_warps=4,
+        num_warps=_WARPS,
     )
 
 

@@ -22,7 +22,19 @@ from colosync.sync.target import Changes
 from colosync.transports.shm import ShmSender
 from colosync.wire.bucket import fingerprint, plan_buckets
 from colosync.wire.manifest import LoraSpec, UpdateManifest
-from colosync.wire.protocol import Attach, Begin, Commit, Failed, Prepare, Probe, Revert, Stage, Status
+from colosync.wire.protocol import (
+    Attach,
+    Batch,
+    BatchReply,
+    Begin,
+    Commit,
+    Failed,
+    Prepare,
+    Probe,
+    Revert,
+    Stage,
+    Status,
+)
 from tests.helpers import pack_into
 
 PROBE = Probe([[1, 2]], [[3]], [[-1.0]])
@@ -151,3 +163,47 @@ def test_an_attach_that_cannot_open_its_transport_leaves_no_owner():
     session = host.open_session()
     reply = host.handle(Attach("shm", b"\x93\xa4nope\x01\x01"), session)
     assert isinstance(reply, Failed) and host.owner is None
+
+
+def test_a_batch_is_each_request_as_if_alone_and_a_bad_stage_commits_nothing(rig):
+    """Stage, Prepare and Commit in one ``Batch``: a good one commits; in one whose Stage carries a
+    wrong fingerprint the Stage is refused, Prepare and Commit are refused as they would be alone,
+    and the engine keeps its previous version."""
+    engine, host, transport = rig
+    named = [("w", torch.arange(8, dtype=torch.float32))]
+    layout = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16)
+    size = layout.bucket_sizes[0]
+    served = None
+    for bad in (False, True):
+        uid = host.handle(Status()).next_update_id()
+        assert not isinstance(host.handle(Begin(UpdateManifest(uid, "full", layout))), Failed)
+        slot = transport.slot(0)[:size]
+        pack_into(slot, layout.tensors, [t * uid for _, t in named])
+        sent = fingerprint(slot) + (1 if bad else 0)
+        reply = host.handle(Batch([Stage(uid, 0, 0, size, 0, sent), Prepare(uid), Commit(uid)]))
+        assert isinstance(reply, BatchReply) and len(reply.replies) == 3
+        if not bad:
+            assert [type(r).__name__ for r in reply.replies] == ["Ack", "Ack", "Ack"]
+            assert reply.replies[-1].committed_update_id == uid
+            served = uid
+            continue
+        assert [r.error for r in reply.replies if isinstance(r, Failed)] == [
+            "FingerprintMismatchError",
+            "TransactionStateError",
+            "TransactionStateError",
+        ]
+    assert host.handle(Status()).committed_update_id == served
+    assert torch.equal(engine.tensors["w"], named[0][1] * served)
+
+
+def test_a_batch_through_the_engine_process_is_answered_part_by_part():
+    """Over the socket: ``SocketLink.submit_batch`` gets one reply per part, a refusal raised by its own part."""
+    from colosync.engines.process import EngineConfig, EngineProcess
+    from colosync.errors import EngineBusyError
+
+    with EngineProcess(EngineConfig(engine="store", device="cpu")) as engine:
+        parts = engine.link.submit_batch([Prepare(1), Commit(1)])  # no owner: each is refused by itself
+        for part in parts:
+            with pytest.raises(EngineBusyError, match="send Attach first"):
+                part.wait()
+        assert engine.call(Status()).committed_update_id == 0

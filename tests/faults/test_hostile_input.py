@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from colosync.engines.host import EngineHost
 from colosync.engines.store import StoreEngine
 from colosync.sync.receiver import Receiver
-from colosync.wire.protocol import Ack, Failed, Status
+from colosync.wire.protocol import Ack, BatchReply, Failed, Status
 from tests.faults.clients import raw_client, read_frame, send, send_raw
 
 DEEP = b"\x82\xa4type\xa6status\xa1x" + b"\x91" * 100_000 + b"\xc0"
@@ -28,7 +28,7 @@ def host():
 
 
 def reply_of(host, data: bytes):
-    return msgspec.msgpack.decode(host.handle_bytes(data), type=Ack | Failed)
+    return msgspec.msgpack.decode(host.handle_bytes(data), type=Ack | Failed | BatchReply)
 
 
 values = st.recursive(
@@ -42,7 +42,20 @@ values = st.recursive(
     max_leaves=20,
 )
 tags = st.sampled_from(
-    ["attach", "begin", "stage", "prepare", "commit", "abort", "revert", "status", "detach", "hello", "nonsense"]
+    [
+        "attach",
+        "begin",
+        "stage",
+        "prepare",
+        "commit",
+        "abort",
+        "revert",
+        "status",
+        "detach",
+        "hello",
+        "batch",
+        "nonsense",
+    ]
 )
 
 
@@ -66,6 +79,7 @@ tags = st.sampled_from(
                 "pid",
                 "layout",
                 "tensors",
+                "requests",
             ]
         ),
         values,
@@ -74,7 +88,7 @@ tags = st.sampled_from(
 )
 def test_any_tagged_message_is_answered_not_raised(host, tag, fields):
     reply = reply_of(host, msgspec.msgpack.encode({"type": tag, **fields}))
-    assert isinstance(reply, (Ack, Failed))
+    assert isinstance(reply, (Ack, Failed, BatchReply))
     assert host.transactions.status().in_flight_update_id is None
 
 
@@ -97,6 +111,12 @@ def test_any_bytes_are_answered_not_raised(host, data):
             "bucket",
         ),
         (msgspec.msgpack.encode({"type": "attach", "transport": "shm", "handle": b"x" * 70_000}), "length"),
+        (
+            msgspec.msgpack.encode({"type": "batch", "requests": [{"type": "prepare", "update_id": 1}] * 70_000}),
+            "length",
+        ),
+        (msgspec.msgpack.encode({"type": "batch", "requests": [{"type": "batch", "requests": []}]}), "batch"),
+        (msgspec.msgpack.encode({"type": "batch", "requests": []}), "length"),
         (
             msgspec.msgpack.encode(
                 {

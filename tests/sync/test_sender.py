@@ -206,6 +206,26 @@ def test_pipeline_holds_one_chunk_back_then_flushes_and_fingerprints_it():
     assert set(pipe.timer.seconds) == {"pack", "transfer", "stage", "prepare", "commit"}
 
 
+def test_with_a_batching_link_the_held_stages_prepare_and_commit_go_as_one_message():
+    engine = _Engine(fail={"S2": FingerprintMismatchError("bucket 2 arrived corrupted")})
+    batches: list[list[str]] = []
+
+    def submit_batch(requests):
+        batches.append([f"S{r.bucket}" if isinstance(r, Stage) else type(r).__name__ for r in requests])
+        return [engine.submit(r) for r in requests]  # the engine sees each request as if alone
+
+    pipe = SlotPipeline(
+        2, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))), submit_batch=submit_batch
+    )
+    for chunk in range(3):
+        pipe.put(Stage(1, chunk, 0, 64, pipe.acquire(), None), None, chunk + 10)
+    assert batches == []  # chunks whose slot comes back during the update go out one by one
+    with pytest.raises(FingerprintMismatchError, match="bucket 2"):  # each part's own failure, in order
+        pipe.finish(Prepare(1), Commit(1))
+    assert batches == [["S2", "Prepare", "Commit"]]
+    assert engine.sent[3].fingerprint == 12  # the held Stage was made ready (fingerprint in) before batching
+
+
 def test_pipeline_raises_the_first_failed_reply_when_it_must_read_it():
     engine = _Engine(fail={"S1": FingerprintMismatchError("bucket 1 arrived corrupted")})
     pipe = SlotPipeline(2, engine.submit, Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))))

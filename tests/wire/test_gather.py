@@ -62,7 +62,7 @@ CHECK = textwrap.dedent(
 
 
 def run_check(device: str, interpret: bool) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     code = f"DEVICE = {device!r}\nCHUNK = {CHUNK}\n" + CHECK
