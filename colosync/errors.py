@@ -17,6 +17,11 @@ class ManifestError(ColosyncError, ValueError):
     """A manifest or wire message is malformed (bad sizes, offsets, names, types)."""
 
 
+class UnknownLayoutError(ManifestError):
+    """A ``BeginAgain`` names a manifest this engine did not see last on this connection (a Sender
+    then sends the full ``Begin`` once, by itself)."""
+
+
 class UpdateRejected(ColosyncError):
     """The engine refused an update; it keeps serving its last committed version."""
 

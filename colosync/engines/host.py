@@ -33,17 +33,28 @@ import msgspec
 import torch
 
 from colosync.engines.config import EngineConfig, Score, Scores
-from colosync.errors import ColosyncError, ConfigError, EngineBusyError, EngineError, FailedClosedError, ManifestError
+from colosync.errors import (
+    ColosyncError,
+    ConfigError,
+    EngineBusyError,
+    EngineError,
+    FailedClosedError,
+    ManifestError,
+    UnknownLayoutError,
+)
 from colosync.sync.delivery import Deviation, delivery_error
 from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget
+from colosync.wire.manifest import UpdateManifest, manifest_digest
 from colosync.wire.protocol import (
     Abort,
     Ack,
     Attach,
     Batch,
     BatchReply,
+    Begin,
+    BeginAgain,
     Codec,
     Commit,
     Delivery,
@@ -71,6 +82,17 @@ class Session:
     name: str = ""
     opened: float = field(default_factory=time.time)
     peer_pid: bool = False  # the pid came from the kernel (SO_PEERCRED), not from the client
+    begun: tuple[UpdateManifest, bytes] | None = None  # its last Begin's manifest and digest (for BeginAgain)
+
+    def begin_again(self, request: BeginAgain) -> Begin:
+        """The ``Begin`` a ``BeginAgain`` stands for: this client's last Begin under a new update id."""
+        begun = self.begun
+        if begun is None or begun[1] != request.digest:
+            raise UnknownLayoutError(
+                f"BeginAgain names manifest {request.digest.hex()}, but this connection's last Begin was "
+                f"{begun[1].hex() if begun else 'none'}; send the full Begin (a Sender does on its own)"
+            )
+        return Begin(msgspec.structs.replace(begun[0], update_id=request.update_id))
 
     def describe(self) -> str:
         who = f"pid {self.pid}" + (f" on {self.host}" if self.host else "") if self.pid else f"session {self.id}"
@@ -279,6 +301,10 @@ class EngineHost:
         if isinstance(request, TransactionRequest):  # the union of TRANSACTION_TYPES
             if isinstance(request, _OWNER_ONLY):
                 self._check_owner(request, session)
+            if isinstance(request, Begin):
+                session.begun = (request.manifest, manifest_digest(request.manifest))
+            elif isinstance(request, BeginAgain):
+                request = session.begin_again(request)
             if isinstance(request, Attach):
                 return self._attach(request, session)
             if isinstance(request, Detach):

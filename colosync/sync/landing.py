@@ -140,6 +140,7 @@ class LayoutPlan:
         # [fingerprint, non-finite, sent fingerprint] per bucket, on the device: reused by every
         # update of this layout (one is in flight at a time), so graphs see the same rows
         self.results: torch.Tensor | None = None
+        self.host_results: torch.Tensor | None = None  # their pinned host copy, each row copied as its bucket lands
 
 
 class Plans:
@@ -311,6 +312,7 @@ class Landing(abc.ABC):
         self.deferred: list[Verdict] = []  # device verdicts to read at ``prepare``
         self.results: torch.Tensor | None = None  # one zeroed [fingerprint, non-finite, sent] row per bucket
         self.device_sent: set[int] = set()  # buckets whose sent fingerprint came in device memory
+        self.mirrored: set[int] = set()  # buckets whose result row is on its way to ``plan.host_results``
         self._cell: torch.Tensor | None = None  # the admitted chunk's sent-fingerprint cell, if any
 
     @property
@@ -394,6 +396,7 @@ class Landing(abc.ABC):
         self.deferred.clear()
         self.results = None
         self.device_sent.clear()
+        self.mirrored.clear()
         self._cell = None
 
     # -- strategies ---------------------------------------------------------------------------
@@ -542,6 +545,7 @@ class Landing(abc.ABC):
             results = self.plan.results
             if results is None or results.device != device:
                 results = self.plan.results = torch.zeros(len(self.plan.buckets), 3, dtype=torch.int64, device=device)
+                self.plan.host_results = torch.empty(results.shape, dtype=torch.int64, pin_memory=True)
             else:
                 results.zero_()
             self.results = results
@@ -578,10 +582,15 @@ class Landing(abc.ABC):
         if result is None:  # an empty bucket: its fingerprint is 0
             result = fused.copy_check(checked[:0], None, None, out=row)
         item = (msg.bucket, result, sent)
-        if result.is_cuda:
-            self.deferred.append(item)  # read at prepare, all buckets at once
-        else:
+        if not result.is_cuda:
             self._verify([item])
+            return
+        self.deferred.append(item)  # read at prepare, all buckets at once
+        results, host = self.results, self.plan.host_results
+        if results is not None and host is not None and result.data_ptr() == results[msg.bucket].data_ptr():
+            # on its way to pinned memory now, so prepare reads it on the host without a device round trip
+            host[msg.bucket].copy_(results[msg.bucket], non_blocking=True)
+            self.mirrored.add(msg.bucket)
 
     def _publish(self, b: BucketPlan, checked: torch.Tensor) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make a complete bucket's tensors visible to ``prepare`` (staged ones already are)."""
@@ -594,9 +603,13 @@ class Landing(abc.ABC):
         """Read the verdicts ([fingerprint, non-finite] per bucket) in one transfer; raise the first."""
         if not items:
             return
-        results = self.results
+        results, host = self.results, self.plan.host_results
         values: list[tuple[int, int, int | None]]
-        if results is not None and all(r.data_ptr() == results[b].data_ptr() for b, r, _ in items):
+        if host is not None and all(b in self.mirrored for b, _, _ in items):
+            self._lander.fence.drain()  # the copies into pinned memory are done (the Receiver drained already)
+            rows = host.tolist()
+            values = [(rows[b][0], rows[b][1], rows[b][2]) for b, _, _ in items]
+        elif results is not None and all(r.data_ptr() == results[b].data_ptr() for b, r, _ in items):
             rows = results.tolist()  # one transfer for the whole update
             values = [(rows[b][0], rows[b][1], rows[b][2]) for b, _, _ in items]
         else:  # (a device-sent fingerprint is only ever in the rows: without them it fails closed below)

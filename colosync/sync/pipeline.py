@@ -38,7 +38,7 @@ from colosync.transports import SenderTransport
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
 from colosync.wire import fused, gather
 from colosync.wire.bucket import typed_views
-from colosync.wire.protocol import Ack, Begin, Commit, Delivery, Prepare, Stage
+from colosync.wire.protocol import Ack, Begin, BeginAgain, Commit, Delivery, Prepare, Stage
 
 if TYPE_CHECKING:
     from colosync.sync.link import Pending
@@ -99,7 +99,7 @@ class SlotPipeline:
         self,
         num_slots: int,
         submit: Callable[[Any], Pending],
-        begin: Begin,
+        begin: Begin | BeginAgain,
         flush: Callable[[], None] = _no_flush,
         timer: PhaseTimer | None = None,
         submit_batch: Callable[[list[Any]], list[Pending]] | None = None,

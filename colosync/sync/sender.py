@@ -23,13 +23,20 @@ from typing import Any
 import torch
 
 from colosync import transports
-from colosync.errors import ColosyncError, ConfigError, StaleUpdateError, TransportError, TransportUnavailable
+from colosync.errors import (
+    ColosyncError,
+    ConfigError,
+    StaleUpdateError,
+    TransportError,
+    TransportUnavailable,
+    UnknownLayoutError,
+)
 from colosync.sync.link import Link
 from colosync.sync.pipeline import BucketStreamer, PhaseTimer, SlotPipeline, SyncReport
 from colosync.sync.plan import Plan, Plans, StreamSource
 from colosync.wire.bucket import TensorSpec, typed_views
-from colosync.wire.manifest import LoraSpec, align_up
-from colosync.wire.protocol import Abort, Attach, Begin, Commit, Detach, Prepare, Probe, Status
+from colosync.wire.manifest import Layout, LoraSpec, align_up
+from colosync.wire.protocol import Abort, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,9 @@ class Sender:
         self._streamer: BucketStreamer | None = None  # packs into self._transport's slots
         self._next_id: int | None = None
         self._plans = Plans()
+        self._begun: tuple[Layout, str, LoraSpec | None] | None = (
+            None  # the manifest the engine last began and committed
+        )
         self._arena: Plan | None = None  # the one plan this Sender may push, if it hosts an arena
 
     # -- public -----------------------------------------------------------------------------
@@ -235,6 +245,9 @@ class Sender:
         """Run ``push``; if the engine says our next id is stale (it saw higher ids), resynchronise and retry once."""
         try:
             return push()
+        except UnknownLayoutError as exc:  # the engine lost what BeginAgain referred to: the full Begin, once
+            log.warning("%s; sending the full manifest", exc)
+            return push()
         except StaleUpdateError as exc:
             if requested is not None:
                 raise
@@ -270,9 +283,15 @@ class Sender:
         uid = self._claim_update_id(update_id)
         manifest = plan.manifest(uid, lora)
         timer = PhaseTimer()
+        begun, self._begun = self._begun, None  # set again only once this update commits
         try:
-            batch = getattr(self.link, "submit_batch", None)  # a link to an EngineHost sends the tail as one message
-            pipe = SlotPipeline(transport.num_slots, self.link.submit, Begin(manifest), transport.flush, timer, batch)
+            # A link to an EngineHost (socket, Ray) takes the tail of the update as one Batch and, for the
+            # manifest the engine began last on this link, a BeginAgain (~40 bytes) instead of the manifest.
+            batch = getattr(self.link, "submit_batch", None)
+            begin: Begin | BeginAgain = Begin(manifest)
+            if batch is not None and begun == (plan.layout, manifest.kind, lora):
+                begin = BeginAgain(uid, plan.digest(manifest))
+            pipe = SlotPipeline(transport.num_slots, self.link.submit, begin, transport.flush, timer, batch)
             streamer.stream(plan, uid, pipe, tensors, source)
             if source is not None:
                 source.finish()
@@ -280,6 +299,7 @@ class Sender:
         except BaseException as exc:
             self._abort(uid, exc)
             raise
+        self._begun = (plan.layout, manifest.kind, lora)
         seconds = dict(timer.seconds, total=time.perf_counter() - start)
         if ack.delivery is not None and verify is not None:
             seconds["verify"] = ack.delivery.seconds

@@ -10,6 +10,7 @@ JSON, never pickle.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from typing import Annotated, Literal
@@ -217,6 +218,15 @@ def _check_layout(tensors: tuple[TensorMeta, ...], bucket_sizes: tuple[int, ...]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(UpdateManifest)
+
+
+def manifest_digest(manifest: UpdateManifest) -> bytes:
+    """16 bytes naming everything of ``manifest`` but its ``update_id``: layout, kind and LoRA spec.
+
+    msgpack encodes one struct value one way, so sender and engine compute it alike.
+    """
+    encoded = _encoder.encode((manifest.kind, manifest.lora, manifest.layout))
+    return hashlib.blake2b(encoded, digest_size=16).digest()
 
 
 def encode_manifest(manifest: UpdateManifest) -> bytes:

@@ -51,6 +51,19 @@ class Begin(msgspec.Struct, tag="begin", frozen=True):
     manifest: UpdateManifest
 
 
+class BeginAgain(msgspec.Struct, tag="begin_again", frozen=True):
+    """``Begin`` of the manifest of the last ``Begin`` on this connection, under a new ``update_id``.
+
+    A sender repeats one layout update after update, and a 624-tensor manifest is ~70 KB on
+    the wire; this is ~40 bytes. ``digest`` (``manifest_digest``) names the manifest meant: an
+    engine whose last Begin on this connection has another one refuses it with
+    ``UnknownLayoutError``, so a reference can never stand for the wrong layout.
+    """
+
+    update_id: UpdateId
+    digest: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
 class Stage(msgspec.Struct, tag="stage", frozen=True):
     """Bytes ``[offset, offset + nbytes)`` of ``bucket`` are ready in transport ``slot``.
 
@@ -130,7 +143,7 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     """Ask which update the engine serves."""
 
 
-TransactionRequest = Attach | Detach | Begin | Stage | Prepare | Commit | Abort | Revert | Status
+TransactionRequest = Attach | Detach | Begin | BeginAgain | Stage | Prepare | Commit | Abort | Revert | Status
 
 MAX_BATCH = 1 << 16
 
@@ -188,79 +201,14 @@ class BatchReply(msgspec.Struct, tag="batch_reply", frozen=True):
     replies: Annotated[list[Ack | Failed], msgspec.Meta(max_length=MAX_BATCH)]
 
 
-class _RepeatedBegin:
-    """Encode and decode a ``Begin`` that repeats the previous layout without re-walking it.
-
-    A sender announces the same manifest every update with only ``update_id`` changed. Its
-    msgpack bytes are then ``prefix + update_id + rest`` with ``prefix`` and ``rest`` equal to
-    last time, so encoding is one concatenation and decoding one comparison of the bytes
-    plus the new id; the manifest is rebuilt around the previous one's ``Layout`` object
-    (``__post_init__`` still validates the id), so receivers find their per-layout state
-    by identity. Anything that differs by a single byte takes the normal path.
-    """
-
-    _KEY = b"\xa9update_id"  # msgpack of the str "update_id"
-
-    def __init__(self) -> None:
-        self.prefix = self.rest = b""
-        self.manifest: UpdateManifest | None = None
-
-    def remember(self, data: bytes, message: Begin) -> None:
-        at = data.find(self._KEY, 0, 64)
-        if at < 0:
-            return
-        start = at + len(self._KEY)
-        number = msgspec.msgpack.encode(message.manifest.update_id)
-        if data[start : start + len(number)] != number:
-            return
-        self.prefix, self.rest, self.manifest = data[:start], data[start + len(number) :], message.manifest
-
-    def decode(self, data: bytes) -> Begin | None:
-        size = len(data) - len(self.prefix) - len(self.rest)
-        if (
-            self.manifest is None
-            or not 0 < size <= 9
-            or not data.startswith(self.prefix)
-            or not data.endswith(self.rest)
-        ):
-            return None
-        try:
-            uid = msgspec.msgpack.decode(data[len(self.prefix) : len(self.prefix) + size], type=int)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return None
-        try:
-            return Begin(msgspec.structs.replace(self.manifest, update_id=uid))
-        except ManifestError:
-            return None
-
-    def encode(self, message: Begin) -> bytes | None:
-        cached, manifest = self.manifest, message.manifest
-        if (
-            cached is None
-            or manifest.layout is not cached.layout
-            or manifest.kind != cached.kind
-            or manifest.lora != cached.lora
-        ):
-            return None
-        return b"".join((self.prefix, msgspec.msgpack.encode(manifest.update_id), self.rest))
-
-
 class Codec:
     """msgpack encoder/decoder for one union of message types."""
 
     def __init__(self, message_type: object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(message_type)
-        self._sent = _RepeatedBegin()
-        self._received = _RepeatedBegin()
 
     def encode(self, message: msgspec.Struct) -> bytes:
-        if type(message) is Begin:
-            data = self._sent.encode(message)
-            if data is None:
-                data = self._encoder.encode(message)
-                self._sent.remember(data, message)
-            return data
         return self._encoder.encode(message)
 
     def decode(self, data: bytes) -> Any:
@@ -270,21 +218,14 @@ class Codec:
                 f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}; "
                 "split the update (fewer tensors per manifest)"
             )
-        if len(data) > 256:  # only a manifest is that long
-            repeated = self._received.decode(data)
-            if repeated is not None:
-                return repeated
         try:
-            message = self._decoder.decode(data)
+            return self._decoder.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ManifestError(f"malformed control message: {exc}") from None
         except ColosyncError:
             raise
         except Exception as exc:  # RecursionError, OverflowError, MemoryError...: hostile input, never fatal
             raise ManifestError(f"malformed control message ({type(exc).__name__}: {exc})") from None
-        if type(message) is Begin:
-            self._received.remember(bytes(data), message)
-        return message
 
 
 # -- memory handoff across a process boundary -------------------------------------------------

@@ -23,6 +23,8 @@ from colosync.transports.shm import ShmSender
 from colosync.wire.bucket import fingerprint, plan_buckets
 from colosync.wire.manifest import LoraSpec, UpdateManifest
 from colosync.wire.protocol import (
+    Abort,
+    Ack,
     Attach,
     Batch,
     BatchReply,
@@ -207,3 +209,87 @@ def test_a_batch_through_the_engine_process_is_answered_part_by_part():
             with pytest.raises(EngineBusyError, match="send Attach first"):
                 part.wait()
         assert engine.call(Status()).committed_update_id == 0
+
+
+class HostLink:
+    """A link into an ``EngineHost`` in this process through its bytes, as a socket client has it:
+    its own session, ``submit_batch``, and so ``BeginAgain`` from a Sender."""
+
+    def __init__(self, host: EngineHost) -> None:
+        from colosync.engines.host import codecs
+
+        self.host, self.session = host, host.open_session()
+        self._codec, self._replies = codecs((), ())
+        self.sent: list[str] = []
+
+    def submit(self, request):
+        from colosync.sync.link import Done, unwrap
+
+        self.sent.append(type(request).__name__)
+        reply = self._replies.decode(self.host.handle_bytes(self._codec.encode(request), self.session))
+        try:
+            return Done(unwrap(reply))
+        except Exception as exc:
+            return Done(error=exc)
+
+    def submit_batch(self, requests):
+        from colosync.sync.link import batch_parts
+
+        return batch_parts(self.submit(Batch(requests)), len(requests))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_sender_begins_a_repeated_layout_again_in_40_bytes_and_recovers_when_the_engine_lost_it():
+    from colosync.sync.sender import Sender
+
+    engine = StoreEngine()
+    host = EngineHost(engine.transactions(None), engine)
+    link = HostLink(host)
+    named = [("w", torch.randn(6, 4)), ("b", torch.randn(6))]
+    with Sender(link, transport="shm") as sender:
+        for step in range(3):
+            sender.push([(n, t + step) for n, t in named])
+            assert torch.equal(engine.tensors["w"], named[0][1] + step)
+        assert [m for m in link.sent if m.startswith("Begin")] == ["Begin", "BeginAgain", "BeginAgain"]
+        link.session.begun = None  # as if the engine had lost what the sender refers to
+        sender.push([(n, t * 3) for n, t in named])  # refused with UnknownLayoutError, then the full Begin
+        assert [m for m in link.sent if m.startswith("Begin")][-2:] == ["BeginAgain", "Begin"]
+        assert torch.equal(engine.tensors["w"], named[0][1] * 3)
+        sender.push([("w", torch.zeros(2))])  # another layout: the full manifest
+        assert [m for m in link.sent if m.startswith("Begin")][-1] == "Begin"
+    host.close()
+
+
+def test_begin_again_stands_only_for_this_connections_last_begin(rig):
+    """Its digest must be the one of the manifest this session began last: another session's, a stale
+    one, or none at all is refused with UnknownLayoutError and begins nothing."""
+    from colosync.wire.manifest import manifest_digest
+    from colosync.wire.protocol import BeginAgain
+
+    engine, host, transport = rig
+    owner = host._local  # the session that attached in ``rig``
+    layout = plan_buckets([("w", (4,), torch.float32)], 1 << 16)
+    uid = host.handle(Status()).next_update_id()
+    first = UpdateManifest(uid, "full", layout)
+    assert not isinstance(host.handle(BeginAgain(uid, manifest_digest(first))), Ack)  # nothing begun yet
+    assert not isinstance(host.handle(Begin(first)), Failed)
+    host.handle(Abort(uid, "test"))
+    again = host.handle(BeginAgain(uid + 1, manifest_digest(first)))
+    assert isinstance(again, Ack) and again.in_flight_update_id == uid + 1
+    assert host.transactions._inflight.manifest.layout is first.layout  # the same Layout object: its plans hit
+    host.handle(Abort(uid + 1, "test"))
+    other = UpdateManifest(uid, "full", plan_buckets([("v", (4,), torch.float32)], 1 << 16))
+    refused = host.handle(BeginAgain(uid + 2, manifest_digest(other)))
+    assert (
+        isinstance(refused, Failed)
+        and refused.error == "UnknownLayoutError"
+        and "send the full Begin" in (refused.message)
+    )
+    stranger = host.open_session()
+    assert host.handle(BeginAgain(uid + 3, manifest_digest(first)), stranger).error in (
+        "UnknownLayoutError",
+        "EngineBusyError",
+    )
+    assert host.handle(Status()).in_flight_update_id is None and owner.begun is not None
