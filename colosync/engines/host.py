@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Union
@@ -224,6 +225,7 @@ class EngineHost:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
+        self._manifests: OrderedDict[bytes, UpdateManifest] = OrderedDict()  # recent Begins by digest (_interned)
         self._local = self.open_session()  # callers that name no session (in-process use)
 
     # -- sessions -------------------------------------------------------------------------
@@ -302,7 +304,7 @@ class EngineHost:
             if isinstance(request, _OWNER_ONLY):
                 self._check_owner(request, session)
             if isinstance(request, Begin):
-                session.begun = (request.manifest, manifest_digest(request.manifest))
+                request = self._interned(request, session)
             elif isinstance(request, BeginAgain):
                 request = session.begin_again(request)
             if isinstance(request, Attach):
@@ -321,6 +323,27 @@ class EngineHost:
                 "what it would compute is unknown; push a good full update (it serves again once one commits)"
             )
         return self.engine.handle(request)
+
+    def _interned(self, request: Begin, session: Session) -> Begin:
+        """``request`` with the ``Layout`` object of an earlier Begin of the same manifest, from any client.
+
+        Engines and the Receiver key their per-layout state on the Layout object, which an equal
+        but distinct object (a sender's new connection) would find only through a deep comparison
+        of every tensor, on every update. Also what ``session`` begins again from now on."""
+        manifest = request.manifest
+        digest = manifest_digest(manifest)
+        known = self._manifests.get(digest)
+        if known is None:
+            self._manifests[digest] = manifest
+            while len(self._manifests) > 16:
+                self._manifests.popitem(last=False)
+        else:
+            self._manifests.move_to_end(digest)
+            if known.layout is not manifest.layout and known.layout == manifest.layout:
+                manifest = msgspec.structs.replace(manifest, layout=known.layout)
+                request = Begin(manifest)
+        session.begun = (manifest, digest)
+        return request
 
     def _check_owner(self, request: msgspec.Struct, session: Session) -> None:
         owner = self.owner

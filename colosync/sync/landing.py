@@ -197,12 +197,17 @@ class Fence:
         self.device = device
         self.lag = False  # acknowledge a Stage before its copy is done (2+ slots)
         self._pending: Any = None  # CUDA event after the last Stage's copies
+        self._events: list[Any] = []  # two, used in turn: one may be pending while the other is recorded
+        self._turn = 0
 
     def staged(self) -> None:
         """After a Stage's copies: wait for the previous Stage's (or this one's, with one slot)."""
         if self.device.type != "cuda":
             return
-        event = torch.cuda.Event()
+        if not self._events:
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn ^= 1
+        event = self._events[self._turn]  # not the pending one: that is the other
         event.record(torch.cuda.current_stream(self.device))
         previous, self._pending = self._pending, event
         if previous is not None:
@@ -258,7 +263,9 @@ class Lander:
     def open(self, manifest: UpdateManifest, plan: LayoutPlan, lent: Any, policy: ReceiverPolicy) -> Landing:
         """The landing for one update, given what the engine's ``staging()`` lent (``None``: nothing)."""
         if lent is None:
-            return OwnedLanding(self, manifest, plan, policy)
+            owned = OwnedLanding(self, manifest, plan, policy)
+            owned.zero_rows()
+            return owned
         tensors, flats = (lent.tensors, lent.buckets) if isinstance(lent, Staging) else (lent, None)
         if not isinstance(tensors, list):
             tensors = list(tensors)
@@ -267,11 +274,14 @@ class Lander:
                 f"the engine lent {len(tensors)} staging tensors for an update of {len(manifest.tensors)}; "
                 "staging() must return one per manifest tensor, in order (and one buffer per bucket)"
             )
+        landing: Landing
         if flats is not None:
             landing = BucketLanding(self, manifest, plan, policy, tensors)
             landing.flats = flats
-            return landing
-        return TensorLanding(self, manifest, plan, policy, tensors)
+        else:
+            landing = TensorLanding(self, manifest, plan, policy, tensors)
+        landing.zero_rows()
+        return landing
 
     def close(self) -> None:
         self.fence.drain()
@@ -536,6 +546,11 @@ class Landing(abc.ABC):
 
     def _segments(self, b: BucketPlan) -> list[Segment] | None:
         return b.segments if self._finite else None
+
+    def zero_rows(self) -> None:
+        """Zero this update's result rows now (at ``begin``, off the path of the first Stage), if it checks on a GPU."""
+        if self._on_device and self.plan.buckets:
+            self._row(0)
 
     def _row(self, bucket: int) -> torch.Tensor:
         """Bucket ``bucket``'s zeroed ``[fingerprint, non-finite]`` pair (the layout's rows, zeroed once per update)."""

@@ -282,7 +282,7 @@ class BucketStreamer:
                         fence = torch.cuda.Event()
                         fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
                 pipe.put(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp)
-        pipe.send_held()
+        # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)
 
     def _stream_overlapped(
         self,

@@ -54,6 +54,7 @@ EVENTS_ENV = "COLOSYNC_CUDA_IPC_EVENTS"  # "0": no interprocess events, the send
 # never-completing event would stall the engine's stream, and every generation behind it, for good.
 WAIT_ENV = "COLOSYNC_CUDA_IPC_WAIT"
 WAIT_TIMEOUT_S = 30.0  # "host" wait: how long a sender's writes may take before the Stage is refused
+SPIN_S = 0.05  # "host" wait: how long it polls without sleeping
 _HANDLE_BYTES = 64
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 FINGERPRINT_CELLS = 256  # int64 pairs after the slots: bucket b's fingerprint goes to cell b % 256
@@ -445,8 +446,9 @@ class CudaIpcReceiver(ReceiverTransport):
         start = time.monotonic()
         while not event.query():
             waited = time.monotonic() - start
-            if waited > 0.002:  # a pack takes microseconds; past that, stop spinning a core
-                time.sleep(0.0005)
+            # A pack takes 0.1 ms (LoRA) to a few ms (a 4 GiB bucket): poll closely that long, yielding the GIL
+            # (sleep(0)) so the socket thread reads on; past SPIN_S, stop spinning a core.
+            time.sleep(0 if waited < SPIN_S else 0.0005)
             if waited > WAIT_TIMEOUT_S:
                 raise TransportError(
                     f"the sender's writes into cuda_ipc slot {index} did not finish within {WAIT_TIMEOUT_S:.0f} s; "

@@ -293,3 +293,19 @@ def test_begin_again_stands_only_for_this_connections_last_begin(rig):
         "EngineBusyError",
     )
     assert host.handle(Status()).in_flight_update_id is None and owner.begun is not None
+
+
+def test_an_equal_manifest_from_another_connection_gets_the_first_ones_layout_object(rig):
+    """Per-layout state is keyed on the Layout object: a sender's new connection (an equal, distinct
+    object) must find it by identity, not by comparing every tensor on every update."""
+    engine, host, transport = rig
+    specs = [("w", (4,), torch.float32), ("b", (2,), torch.float32)]
+    uid = host.handle(Status()).next_update_id()
+    host.handle(Begin(UpdateManifest(uid, "full", plan_buckets(specs, 1 << 16))))
+    first = host.transactions._inflight.manifest.layout
+    host.handle(Abort(uid, "test"))
+    again = UpdateManifest(uid + 1, "full", plan_buckets(specs, 1 << 16))  # equal, not the same object
+    assert again.layout == first and again.layout is not first
+    host.handle(Begin(again))
+    assert host.transactions._inflight.manifest.layout is first
+    host.handle(Abort(uid + 1, "test"))
