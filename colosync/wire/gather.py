@@ -82,6 +82,8 @@ class GatherTable:
     """The gather rows of one bucket (``metas``) on one device, for the sources last bound."""
 
     def __init__(self, metas: Sequence[TensorMeta], device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # sources report cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.whole = all(m.nbytes % 8 == 0 for m in metas)
         index: list[int] = []
