@@ -335,7 +335,7 @@ class EngineHost:
         known = self._manifests.get(digest)
         if known is None:
             self._manifests[digest] = manifest
-            while len(self._manifests) > 16:
+            while len(self._manifests) > 8:  # as many layouts as a Receiver keeps plans for
                 self._manifests.popitem(last=False)
         else:
             self._manifests.move_to_end(digest)

@@ -17,7 +17,7 @@ import msgspec
 
 from colosync.errors import ColosyncError, EngineError
 from colosync.sync.receiver import Receiver
-from colosync.wire.protocol import Ack, BatchReply, Codec, Commit, Failed, Prepare, Stage, TransactionRequest
+from colosync.wire.protocol import Ack, BatchReply, Codec, Failed, TransactionRequest
 
 
 class Pending(Protocol):
@@ -26,15 +26,17 @@ class Pending(Protocol):
 
 
 class Link(Protocol):
+    """``submit`` sends one request and returns its pending reply.
+
+    A link to an ``EngineHost`` (``SocketLink``, ``RayLink``) also has ``submit_batch(requests)
+    -> list[Pending]``: it sends the requests as one ``Batch``, and a Sender then uses it for the
+    tail of every update and ``BeginAgain`` for a repeated manifest, both of which only a host
+    understands.
+    """
+
     def submit(self, request: TransactionRequest) -> Pending: ...
 
     def close(self) -> None: ...
-
-
-class BatchingLink(Link, Protocol):
-    """A link to an ``EngineHost`` (a socket, a Ray actor): several requests can go as one ``Batch``."""
-
-    def submit_batch(self, requests: list[Stage | Prepare | Commit]) -> list[Pending]: ...
 
 
 class BatchPart:

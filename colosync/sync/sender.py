@@ -133,9 +133,8 @@ class Sender:
         self._streamer: BucketStreamer | None = None  # packs into self._transport's slots
         self._next_id: int | None = None
         self._plans = Plans()
-        self._begun: tuple[Layout, str, LoraSpec | None] | None = (
-            None  # the manifest the engine last began and committed
-        )
+        # (layout, kind, lora) of the engine's last begun and committed update: a BeginAgain repeats it
+        self._begun: tuple[Layout, str, LoraSpec | None] | None = None
         self._arena: Plan | None = None  # the one plan this Sender may push, if it hosts an arena
 
     # -- public -----------------------------------------------------------------------------
