@@ -1,12 +1,14 @@
 """kill -9 of a sender at points spread across a push: the engine keeps serving exactly one version.
 
 Each case starts a real trainer process (``tests/faults/killer.py``) that pushes a full update
-switching the engine to the other of two versions and SIGKILLs itself at one point. Before
-the Commit is on the wire the engine must still serve the previous version; once the Commit
-is sent either version may stand (the engine decides alone), once its reply was read the new
-one must. In every case the abandoned update is aborted within ``ABORT_WITHIN_S`` of the death
-(the connection's end tells the engine at once), nothing stays in flight, no segment is left
-in ``/dev/shm`` and the engine's memory stays within 10% of its baseline.
+switching the engine to the other of two versions and SIGKILLs itself at one point; for the
+``BeginAgain`` points it first pushes the version the engine serves, so the dying push repeats
+a layout. Before the Commit is on the wire (in the update's closing ``Batch``) the engine must
+still serve the previous version; once it is sent either version may stand (the engine decides
+alone), once its reply was read the new one must. In every case the abandoned update is
+aborted within ``ABORT_WITHIN_S`` of the death (the connection's end tells the engine at once),
+nothing stays in flight, no segment is left in ``/dev/shm`` and the engine's memory stays within
+10% of its baseline.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from colosync import transports
 from tests.faults.conftest import ROOT
 
-# (point, may the update have committed, must it have)
+# (point, may the update have committed, must it have). Over the engine's socket the update's tail
+# (the last Stage, Prepare and Commit) is one Batch, and a repeated manifest is begun with BeginAgain.
 POINTS = [
     ("before:Begin:0", False, False),  # attached, nothing begun
     ("after:Begin:0", False, False),  # begun, no byte staged
@@ -31,11 +34,11 @@ POINTS = [
     ("after:Stage:0", False, False),
     ("after:Stage:1", False, False),
     ("after:Stage:mid", False, False),
-    ("before:Stage:last", False, False),
-    ("after:Stage:last", False, False),  # every byte staged, no Prepare
-    ("after:Prepare:0", False, False),  # between prepare and commit
-    ("after:Commit:0", True, False),  # the Commit is on the wire, its reply unread
-    ("replied:Commit:0", True, True),  # committed, killed before it could report
+    ("before:Batch:0", False, False),  # every bucket packed, the last one not announced
+    ("after:Batch:0", True, False),  # the last Stage, Prepare and Commit on the wire, no reply read
+    ("replied:Batch:0", True, True),  # committed, killed before it could report
+    ("before:BeginAgain:0", False, False),  # a second push of one layout, before its 40-byte Begin
+    ("after:BeginAgain:0", False, False),  # begun again, no byte staged
 ]
 
 CPU_TRANSPORTS = [
@@ -58,6 +61,7 @@ def kill_at(fault_engine, transport: str, device: str, point: str, may_commit: b
             fault_engine.model_dir,
             str(fault_engine.scales[target]),
             device,
+            *([str(fault_engine.scales[before])] if "BeginAgain" in point else []),
         ],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
