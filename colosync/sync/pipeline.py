@@ -378,11 +378,13 @@ class BucketStreamer:
         i0, i1 = plan.bounds[bucket]
         arena = plan.arena
         how: Any = None  # what the graph depends on besides the slot, the cell and the plan
+        table: torch.Tensor | None = None  # the gather kernel's rows, when it packs
         if arena is not None and slot == 0 and all(map(operator.is_, srcs, arena[i0:i1])):
             how = "arena"
-        elif gather.enabled(packed.device) and plan.gather_table(bucket, packed.device).bind(srcs):
-            how = "gather"
-        table = plan.gather_table(bucket, packed.device).table if how == "gather" else None
+        elif gather.enabled(packed.device):
+            rows = plan.gather_table(bucket, packed.device)
+            if rows.bind(srcs):
+                how, table = "gather", rows.table
 
         def work() -> None:
             cell.zero_()

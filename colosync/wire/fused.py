@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, no_type_check
 
 import torch
@@ -63,9 +63,41 @@ def segments(metas: Sequence[TensorMeta], size: int) -> list[Segment] | None:
     return merged
 
 
-_kernel: Any = None  # triton's JITFunction once built (triton ships no types)
-_state: dict[torch.device, bool] = {}
-_lock = threading.Lock()
+class SelfTestedKernel:
+    """A Triton kernel built on first use and checked against PyTorch once per device.
+
+    ``enabled(device)`` is False without CUDA, with ``COLOSYNC_NO_TRITON`` set, and for good
+    on a device where building or the self-test failed (logged once, naming ``fallback``).
+    """
+
+    def __init__(self, what: str, build: Callable[[], Any], selftest: Callable[[torch.device], None], fallback: str):
+        self.what, self.fallback = what, fallback
+        self._build, self._selftest = build, selftest
+        self.kernel: Any = None  # triton's JITFunction once built (triton ships no types)
+        self._state: dict[torch.device, bool] = {}
+        self._lock = threading.Lock()
+
+    def enabled(self, device: torch.device) -> bool:
+        if device.type != "cuda" or os.environ.get("COLOSYNC_NO_TRITON"):
+            return False
+        ok = self._state.get(device)
+        if ok is not None:
+            return ok
+        with self._lock:
+            if device in self._state:
+                return self._state[device]
+            try:
+                if self.kernel is None:
+                    self.kernel = self._build()
+                with torch.cuda.device(device):
+                    self._selftest(device)
+                self._state[device] = True
+            except Exception as exc:  # missing, failing to compile, or wrong: the fallback instead
+                log.warning(
+                    "%s unavailable on %s (%s: %s); %s", self.what, device, type(exc).__name__, exc, self.fallback
+                )
+                self._state[device] = False
+        return self._state[device]
 
 
 def _build() -> Any:
@@ -117,7 +149,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor | None, out: torch.Tensor, word
     if sms is None:
         sms = _sms[src.device] = torch.cuda.get_device_properties(src.device).multi_processor_count
     grid = (max(1, min(triton_cdiv(n, _BLOCK), _WAVES * sms)),)
-    _kernel[grid](
+    _copy_check.kernel[grid](
         words,
         dst.view(torch.int64) if dst is not None else words,
         out,
@@ -155,29 +187,12 @@ def _selftest(device: torch.device) -> None:
                 raise RuntimeError(f"fused non-finite check disagrees with PyTorch on {dtype}")
 
 
+_copy_check = SelfTestedKernel("fused copy/check kernel", _build, _selftest, "using PyTorch ops")
+
+
 def enabled(device: torch.device) -> bool:
     """Whether the fused kernel runs on ``device`` (built and self-tested once per device)."""
-    global _kernel
-    if device.type != "cuda" or os.environ.get("COLOSYNC_NO_TRITON"):
-        return False
-    ok = _state.get(device)
-    if ok is not None:
-        return ok
-    with _lock:
-        if device in _state:
-            return _state[device]
-        try:
-            if _kernel is None:
-                _kernel = _build()
-            with torch.cuda.device(device):
-                _selftest(device)
-            _state[device] = True
-        except Exception as exc:  # missing, failing to compile, or wrong: PyTorch ops instead
-            log.warning(
-                "fused copy/check kernel unavailable on %s (%s: %s); using PyTorch ops", device, type(exc).__name__, exc
-            )
-            _state[device] = False
-    return _state[device]
+    return _copy_check.enabled(device)
 
 
 def clip(segs: list[Segment] | None, offset: int, nbytes: int) -> list[Segment] | None:

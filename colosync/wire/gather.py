@@ -19,18 +19,14 @@ Without Triton, or where its self-test fails, ``enabled`` is False for good (log
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from collections.abc import Sequence
 from typing import Any, no_type_check
 
 import torch
 
 from colosync.wire.bucket import fingerprint_tensor
+from colosync.wire.fused import SelfTestedKernel
 from colosync.wire.manifest import TensorMeta
-
-log = logging.getLogger(__name__)
 
 CHUNK = 1 << 14
 """Words (8 bytes) per table row: 128 KiB. On an H200 (``benchmarks/h200-latency/kernels.json``) 16K-word rows
@@ -40,10 +36,6 @@ _BLOCK = 2048  # words per program step
 _WARPS = 4
 _PTR = torch.Tensor.data_ptr
 _CONTIGUOUS = torch.Tensor.is_contiguous
-
-_kernel: Any = None
-_state: dict[torch.device, bool] = {}
-_lock = threading.Lock()
 
 
 def _build() -> Any:
@@ -75,7 +67,7 @@ def launch(table: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """Run the rows of ``table`` into ``dst`` (the bucket, uint8) and add their fingerprint to ``out[0]``."""
     rows = table.shape[0]
     if rows:
-        _kernel[(rows,)](table, dst.view(torch.int64), out, BLOCK=_BLOCK, num_warps=_WARPS)
+        _gather.kernel[(rows,)](table, dst.view(torch.int64), out, BLOCK=_BLOCK, num_warps=_WARPS)
 
 
 class GatherTable:
@@ -145,29 +137,12 @@ def _selftest(device: torch.device) -> None:
         raise RuntimeError("the gather kernel's fingerprint disagrees with fingerprint_tensor")
 
 
+_gather = SelfTestedKernel("gather kernel", _build, _selftest, "packing in two passes")
+
+
 def enabled(device: torch.device) -> bool:
     """Whether the gather kernel runs on ``device`` (built and self-tested once per device)."""
-    global _kernel
-    if device.type != "cuda" or os.environ.get("COLOSYNC_NO_TRITON"):
-        return False
-    ok = _state.get(device)
-    if ok is not None:
-        return ok
-    with _lock:
-        if device in _state:
-            return _state[device]
-        try:
-            if _kernel is None:
-                _kernel = _build()
-            with torch.cuda.device(device):
-                _selftest(device)
-            _state[device] = True
-        except Exception as exc:  # missing, failing to compile, or wrong: the two-pass pack instead
-            log.warning(
-                "gather kernel unavailable on %s (%s: %s); packing in two passes", device, type(exc).__name__, exc
-            )
-            _state[device] = False
-    return _state[device]
+    return _gather.enabled(device)
 
 
 __all__ = ["CHUNK", "GatherTable", "enabled", "launch"]

@@ -30,7 +30,7 @@ CHECK = textwrap.dedent(
 
     device = torch.device(DEVICE)
     if device.type == "cpu":
-        gather._kernel = gather._build()  # the interpreter: enabled() is for GPUs
+        gather._gather.kernel = gather._build()  # the interpreter: enabled() is for GPUs
         gather._selftest(device)
     else:
         assert gather.enabled(device)
