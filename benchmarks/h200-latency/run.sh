@@ -6,7 +6,7 @@
 #   variants seed-lora cuda_ipc, the engine's host poll and stream wait alternated twice, and without graphs
 #   seed     colosync bench seed-lora: every path, the seeds' references and the floors
 #   big      colosync bench llama8b-full: cuda_ipc in 4 GiB buckets through one slot, and the arena
-#   bigvariants  llama8b-full cuda_ipc at other bucket sizes and slot counts
+#   bigvariants  llama8b-full cuda_ipc at other bucket sizes and slot counts (BIG_VARIANTS="MiB:slots ...")
 #   tests    the gpu-marked tests of the transports, the sync, the wire and the faults
 set -u
 OUT=${OUT:?}
@@ -56,7 +56,7 @@ for what in "$@"; do
     bench --workload llama8b-full --transports cuda_ipc --arena --references none --no-floor --bucket-mb cuda_ipc=4096 \
       --slots cuda_ipc=1 --repeats "${BIG_REPEATS:-5}" --warmup 2 --out "$OUT/llama8b-full.json" ;;
   bigvariants)
-    for v in "4096:1" "2048:2" "1024:2" "4096:2"; do
+    for v in ${BIG_VARIANTS:-4096:1 2048:2 1024:2 4096:2}; do
       mb=${v%%:*}; slots=${v#*:}
       step "llama8b-full cuda_ipc: $slots slot(s) of $mb MiB"
       timeout 150 $PY -m colosync.tools.cli bench --workload llama8b-full --transports cuda_ipc --references none \

@@ -117,10 +117,10 @@ def test_an_owner_that_dies_mid_update_releases_the_engine_to_the_next_sender(fa
 
 
 def test_a_client_that_never_reads_its_replies_blocks_nobody(fault_engine):
-    """Thousands of requests and not one reply read. The engine thread writes replies into the
-    socket itself; once the socket is full it must hand them to the loop rather than block on
-    it (a blocked engine thread would never answer the bystander), and the loop pauses the
-    client's reads. The bystander waits at most for the requests queued before its own."""
+    """Thousands of requests and not one reply read. The client's own thread writes its replies;
+    once the socket is full it blocks there, outside the engine's turn (blocked inside it, the
+    bystander would never be answered), and stops reading the client's requests. The bystander
+    waits at most for the one request in hand."""
     before = fault_engine.healthy({"base", "new"})
     sock = raw_client(fault_engine.engine.address)
     sock.settimeout(1.0)

@@ -68,14 +68,17 @@ if os.environ.get("COLOSYNC_TRACE_DIR"):
         _wrap(pipeline.SlotPipeline, "finish", "T.finish")
         _wrap(channel.SocketLink, "submit", "T.submit", _type_of(1))
         _wrap(channel._Pending, "wait", "T.wait")
-        # engine: loop thread hands a message to the engine thread; the engine thread's work
-        original_init = channel.ChannelServer.__init__
+        # engine: a connection's thread reads from its socket (E is when bytes arrived), then its work
+        if hasattr(channel, "_Frames"):
+            _wrap(channel._Frames, "_fill", "E.recv")
+        else:  # the asyncio channel before it: the loop hands a message to the engine thread
+            original_init = channel.ChannelServer.__init__
 
-        def init(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            _wrap(self._engine, "submit", "E.loop_submit")
+            def init(self, *args, **kwargs):
+                original_init(self, *args, **kwargs)
+                _wrap(self._engine, "submit", "E.loop_submit")
 
-        channel.ChannelServer.__init__ = init
+            channel.ChannelServer.__init__ = init
         _wrap(channel, "frame", "frame")
         _wrap(host.EngineHost, "handle", "E.handle", _type_of(1))
         _wrap(receiver.Receiver, "begin", "E.begin")

@@ -1,0 +1,116 @@
+"""The channel server on its own: a real Unix socket, real threads, a handler that answers.
+
+What the engine relies on here: requests from many connections are handled one at a time and
+each connection's replies come back in order; ``stop`` ends every connection, also one whose
+thread is blocked on a client that stopped reading. (The engine-level faults, through a real
+engine process, are in ``tests/faults``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from colosync.engines.channel import ChannelServer, Deadlines
+from colosync.engines.config import EngineAddress
+from tests.faults.clients import HEADER, raw_client
+
+
+@contextlib.contextmanager
+def serving(
+    handle: Callable[[object, bytes], bytes], closed: list[str], deadlines: Deadlines | None = None
+) -> Iterator[tuple[ChannelServer, EngineAddress]]:
+    folder = tempfile.mkdtemp(prefix="colosync-test-channel-")
+    address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
+    server = ChannelServer(address, lambda pid: pid, handle, lambda _session, why: closed.append(why), deadlines)
+    ready = threading.Event()
+    thread = threading.Thread(target=server.serve, kwargs={"ready": ready.set}, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield server, address
+    finally:
+        server.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "serve() did not return after stop()"
+        os.unlink(address.path)
+        os.rmdir(folder)
+
+
+def read_reply(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the server closed the connection"
+            data += chunk
+        return data
+
+    (size,) = HEADER.unpack(exactly(HEADER.size))
+    return exactly(size)
+
+
+def test_requests_from_many_connections_are_handled_one_at_a_time_and_answered_in_order():
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def handle(_session: object, data: bytes) -> bytes:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.0005)  # long enough for another connection's thread to come in, if it could
+        with lock:
+            inside[0] -= 1
+        return data[::-1]
+
+    closed: list[str] = []
+    with serving(handle, closed) as (_, address):
+
+        def client(k: int, out: list[bool]) -> None:
+            sock = raw_client(address)
+            messages = [f"client {k} request {i}".encode() for i in range(40)]
+            sock.sendall(b"".join(HEADER.pack(len(m)) + m for m in messages))  # pipelined
+            out.append(all(read_reply(sock) == m[::-1] for m in messages))
+            sock.close()
+
+        results: list[bool] = []
+        threads = [threading.Thread(target=client, args=(k, results)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert results == [True] * 4, "a connection's replies came back wrong or out of order"
+    assert most[0] == 1, f"{most[0]} requests were handled at once; the engine takes one turn at a time"
+
+
+def test_stop_ends_a_connection_blocked_on_a_client_that_reads_no_replies():
+    handled = [0]
+
+    def handle(_session: object, data: bytes) -> bytes:
+        handled[0] += 1
+        return b"r" * 4096
+
+    closed: list[str] = []
+    with serving(handle, closed, Deadlines(message_s=1.0)) as (server, address):
+        flood = raw_client(address)
+        flood.settimeout(0.5)
+        message = HEADER.pack(1) + b"x"
+        with contextlib.suppress(TimeoutError):
+            for _ in range(2000):  # ~8 MB of replies, never read: its thread blocks writing them
+                flood.sendall(message * 50)
+        seen = -1
+        while seen != handled[0]:  # until the server stopped taking this client's requests
+            seen = handled[0]
+            time.sleep(0.2)
+        assert server.connections == 1
+        started = time.monotonic()
+    # leaving ``serving`` stopped the server: it had to cut the blocked connection off
+    assert time.monotonic() - started < 10
+    assert closed == ["the engine is shutting down"]
+    flood.close()
