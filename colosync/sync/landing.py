@@ -141,6 +141,7 @@ class LayoutPlan:
         # update of this layout (one is in flight at a time), so graphs see the same rows
         self.results: torch.Tensor | None = None
         self.host_results: torch.Tensor | None = None  # their pinned host copy, each row copied as its bucket lands
+        self.results_zeroed = False  # zeroed since the last update wrote them (at the end of its ``verify``)
 
 
 class Plans:
@@ -388,9 +389,15 @@ class Landing(abc.ABC):
         return [b for b, size in enumerate(self.manifest.bucket_sizes) if b not in received or received[b] != size]
 
     def verify(self) -> None:
-        """Read the verdicts deferred on the device (one transfer) and raise the first failure."""
+        """Read the verdicts deferred on the device (one transfer) and raise the first failure.
+
+        Then zero the rows for the layout's next update: the engine is using the GPU now, while at the
+        next ``begin`` the trainer is packing on it, and two processes' work on one GPU takes turns."""
         self._verify(self.deferred)
         self.deferred.clear()
+        if self.results is not None:
+            self.results.zero_()  # ordered after the reads above: same stream, and they were waited for
+            self.plan.results_zeroed = True
 
     def engine_tensors(self) -> dict[str, torch.Tensor]:
         """The update's tensors by name, for ``EngineTarget.prepare``."""
@@ -548,7 +555,8 @@ class Landing(abc.ABC):
         return b.segments if self._finite else None
 
     def zero_rows(self) -> None:
-        """Zero this update's result rows now (at ``begin``, off the path of the first Stage), if it checks on a GPU."""
+        """Have this update's result rows zeroed by ``begin``, off the path of the first Stage, if it checks on a
+        GPU (the layout's previous update zeroed them at its ``verify`` unless it failed before)."""
         if self._on_device and self.plan.buckets:
             self._row(0)
 
@@ -561,8 +569,9 @@ class Landing(abc.ABC):
             if results is None or results.device != device:
                 results = self.plan.results = torch.zeros(len(self.plan.buckets), 3, dtype=torch.int64, device=device)
                 self.plan.host_results = torch.empty(results.shape, dtype=torch.int64, pin_memory=True)
-            else:
+            elif not self.plan.results_zeroed:
                 results.zero_()
+            self.plan.results_zeroed = False
             self.results = results
         return results[bucket, :2]
 
