@@ -4,7 +4,8 @@ Checks CUDA; exports a ``cuda_ipc`` buffer and has a second, spawned process ope
 it and write it back (the test ``transport="auto"`` relies on, made ahead of time); the
 PyTorch allocator's expandable-segments setting and whether ``pidfd_getfd`` is permitted
 from another process (why PyTorch's own CUDA IPC fails in many containers); the Yama ptrace
-scope; ``/dev/shm``'s size and whether a segment can be registered as pinned memory. Then
+scope; ``/dev/shm``'s size and whether a segment can be registered as pinned memory; whether a
+CUDA MPS daemon runs (without one, trainer and engine take turns on the GPU). Then
 says which transport ``auto`` would pick and why it would pass over the others.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from colosync.tools.bench.machine import mps_daemon
 from colosync.tools.subcommand import add_subcommand
 
 _SYS_PIDFD_GETFD = 438  # the same number on x86-64 and arm64
@@ -111,6 +113,18 @@ def _dev_shm() -> Check:
     ok = free >= 256 << 20
     hint = "" if ok else "; the shm transport needs 2 buckets (128 MiB by default): raise --shm-size"
     return Check("/dev/shm", ok, f"{size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free{hint}")
+
+
+def _mps() -> Check:
+    folder = mps_daemon()
+    if folder is not None:
+        return Check("CUDA MPS", True, f"a control daemon listens in {folder}: trainer and engine share one context")
+    return Check(
+        "CUDA MPS",
+        None,
+        "no daemon: a trainer and an engine on one GPU are two contexts that take turns, ~0.3 ms per sync on an "
+        "H200; run `nvidia-cuda-mps-control -d` before both start to share one",
+    )
 
 
 def _shm_pinned(device: str) -> Check:
@@ -294,6 +308,8 @@ def run_probe(device: str | None = None, spawn: bool = True, timeout_s: float = 
     ok_self, why_self = pidfd_getfd(os.getpid(), 0 if _fd_open(0) else 1)
     checks.append(Check("pidfd_getfd on itself", ok_self, why_self))
     checks += [_expandable_segments(), _ptrace_scope(), _dev_shm(), _shm_pinned(device)]
+    if cuda:
+        checks.append(_mps())
 
     verdicts, auto = [], None
     for name, cls, why in transports.candidates("auto", torch.device(device)):

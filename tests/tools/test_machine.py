@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from colosync.tools.bench import machine
 from colosync.tools.bench.machine import command_line, machine_info, run_header
 
 
@@ -39,3 +40,13 @@ def test_machine_info_without_cuda_reports_no_gpu():
         assert info["gpu"] and info["gpu_memory_bytes"] > 0 and info["driver"]
     else:
         assert "gpu" not in machine_info() and machine_info()["cuda"] is None
+
+
+def test_an_mps_daemon_is_found_by_its_control_pipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert machine.mps_daemon() is None  # the folder alone is not a daemon
+    (tmp_path / "control").touch()
+    assert machine.mps_daemon() == str(tmp_path)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    monkeypatch.setattr(machine, "MPS_PIPE_DEFAULT", str(tmp_path))
+    assert machine.mps_daemon() == str(tmp_path)

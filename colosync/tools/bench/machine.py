@@ -45,6 +45,21 @@ def gpu_driver(index: int = 0) -> str:
         return "unknown"
 
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_daemon() -> str | None:
+    """The pipe directory of a running CUDA MPS control daemon (``CUDA_MPS_PIPE_DIRECTORY``, else
+    ``/tmp/nvidia-mps``), or None when there is none.
+
+    Without MPS, a trainer and an engine on one GPU are two CUDA contexts that the GPU
+    time-slices, and every hand-off between them cost ~0.3 ms on an H200
+    (``benchmarks/h200-two-contexts/two_contexts.py``): more than the GPU work of a LoRA sync.
+    """
+    folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+    return folder if os.path.exists(os.path.join(folder, "control")) else None
+
+
 def machine_info(device: Any = None) -> dict[str, Any]:
     """Host, Python, torch and CUDA; and for a CUDA ``device`` (default: the current one when
     CUDA is available) its name, memory and the driver."""
@@ -73,7 +88,9 @@ def machine_info(device: Any = None) -> dict[str, Any]:
         return info
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, driver=gpu_driver(index))
+    info.update(
+        gpu=props.name, gpu_memory_bytes=props.total_memory, driver=gpu_driver(index), mps=mps_daemon() is not None
+    )
     return info
 
 

@@ -31,7 +31,7 @@ import msgspec
 
 from colosync import workloads
 from colosync.errors import ColosyncError, ConfigError
-from colosync.tools.bench.machine import run_header
+from colosync.tools.bench.machine import mps_daemon, run_header
 from colosync.tools.subcommand import add_subcommand
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class BenchResult(msgspec.Struct):
     floor_ms: float | None
     results: list[PathResult]
     notes: list[str] = []
+    mps: bool | None = None  # a CUDA MPS daemon was running (None: no GPU)
 
 
 # -- workloads -------------------------------------------------------------------------------
@@ -377,6 +378,11 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
     if device.type != "cuda":  # a smoke test of the transports on CPU: no GPU paths to compare
         refs, args.no_floor = [], True
         notes.append("device cpu: references and floors need a GPU and were skipped")
+    elif mps_daemon() is None:
+        notes.append(
+            "no CUDA MPS daemon: trainer and engine are two CUDA contexts taking turns on the GPU, ~0.3 ms per "
+            "sync on an H200; `nvidia-cuda-mps-control -d` before both start shares one (see the README)"
+        )
     if "pickle" in refs and workload.bytes > PICKLE_MAX_BYTES and not args.force_pickle:
         refs.remove("pickle")
         notes.append(
@@ -460,6 +466,7 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
         floor_ms=floor_ms,
         results=results,
         notes=notes,
+        mps=machine.get("mps"),
     )
 
 
