@@ -27,6 +27,7 @@ challenge with an HMAC-SHA256 before any message is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -136,8 +137,7 @@ class ChannelServer:
                 selector.register(self._wake_r, selectors.EVENT_READ)
                 while not self._stopping.is_set():
                     if any(key.fileobj is listener for key, _ in selector.select()):
-                        with contextlib.suppress(OSError):
-                            self._start_client(listener.accept()[0])
+                        self._accept(listener)
         finally:
             listener.close()
             self._end_clients()
@@ -146,26 +146,45 @@ class ChannelServer:
             self._wake_r.close()
             self._wake_w.close()
 
-    def _start_client(self, sock: socket.socket) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        """Take one connection onto a thread of its own; out of descriptors or threads, wait a second."""
+        try:
+            sock = listener.accept()[0]
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                log.warning("engine channel: cannot accept a connection (%s); retrying in 1 s", exc)
+                self._stopping.wait(1.0)  # the listener stays readable: do not spin on it
+            return
         thread = threading.Thread(target=self._client, args=(sock,), name="colosync-client", daemon=True)
         with self._lock:
             self._clients[sock] = thread
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no more threads: refuse this client, keep serving the others
+            log.warning("engine channel: refused a connection: %s", exc)
+            with self._lock:
+                del self._clients[sock]
+                sock.close()
+            self._stopping.wait(1.0)
 
     def _end_clients(self) -> None:
-        """Stop reading every client; a request in hand is answered, then each session closes. A client
-        whose reply the socket cannot take within ``message_s`` is cut off."""
+        """Stop reading every client; a request in hand is answered, then each session closes. Clients
+        still blocked after ``message_s`` (on a full socket, say) are cut off, all at once."""
         with self._lock:
             clients = dict(self._clients)
-        for sock in clients:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RD)
-        for sock, thread in clients.items():
-            thread.join(self.deadlines.message_s)
-            if thread.is_alive():
+            for sock in clients:
                 with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                thread.join()
+                    sock.shutdown(socket.SHUT_RD)
+        deadline = time.monotonic() + self.deadlines.message_s
+        for thread in clients.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for sock, thread in clients.items():
+                if thread.is_alive() and sock.fileno() >= 0:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+        for thread in clients.values():
+            thread.join()
 
     def _ticks(self, tick: Callable[[], None]) -> None:
         while not self._stopping.wait(self._tick_s):
@@ -182,17 +201,26 @@ class ChannelServer:
                 log.warning("engine channel: dropped a client that did not authenticate (%s)", type(exc).__name__)
                 return
             with self._turn:
-                session = self._open(_peer_pid(sock))
-            why = self._serve_client(sock, frames, session)
-            if self._stopping.is_set():
-                why = "the engine is shutting down"
-            with self._turn:
-                _safe(self._close, session, why)
-            log.info("engine channel: client left: %s", why)
+                try:
+                    session = self._open(_peer_pid(sock))
+                except Exception:
+                    log.exception("engine channel: opening a session failed; dropping the client")
+                    return
+            why = "the engine channel failed"
+            try:
+                why = self._serve_client(sock, frames, session)
+            finally:  # whatever ended the connection, its session ends: that aborts its update
+                if self._stopping.is_set():
+                    why = "the engine is shutting down"
+                with self._turn:
+                    _safe(self._close, session, why)
+                log.info("engine channel: client left: %s", why)
+        except Exception:  # logged here rather than lost with the thread
+            log.exception("engine channel: a connection's thread failed")
         finally:
             with self._lock:
                 self._clients.pop(sock, None)
-            sock.close()
+                sock.close()
 
     def _authenticate(self, sock: socket.socket, frames: _Frames) -> None:
         deadline = time.monotonic() + self.deadlines.authenticate_s
@@ -210,6 +238,8 @@ class ChannelServer:
                 data = frames.next()
                 if data is None:
                     return "the client closed the connection"
+                if self._stopping.is_set():  # read before the engine stopped, but not handled by it
+                    return "the engine is shutting down"
                 with self._turn:
                     try:
                         reply = self._handle(session, data)
@@ -224,6 +254,8 @@ class ChannelServer:
             return f"it stopped mid-message for {self.deadlines.message_s}s"
         except (OSError, EOFError) as exc:
             return f"the connection ended ({type(exc).__name__})"
+        except MemoryError:
+            return "its message did not fit in memory"
 
 
 class _Turns:
@@ -278,15 +310,16 @@ class _Frames:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            if not self._fill(left, n - len(self._buffer)):
+            if not self._fill(left):
                 raise EOFError("the connection ended mid-message")
-        data = bytes(self._buffer[:n])
+        with memoryview(self._buffer) as view:
+            data = bytes(view[:n])
         del self._buffer[:n]
         return data
 
-    def _fill(self, timeout: float | None, wanted: int = 0) -> bool:
+    def _fill(self, timeout: float | None) -> bool:
         self._sock.settimeout(timeout)
-        chunk = self._sock.recv(max(_READ_BYTES, wanted))
+        chunk = self._sock.recv(_READ_BYTES)
         self._buffer += chunk
         return bool(chunk)
 

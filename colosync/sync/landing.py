@@ -395,7 +395,7 @@ class Landing(abc.ABC):
         next ``begin`` the trainer is packing on it, and two processes' work on one GPU takes turns."""
         self._verify(self.deferred)
         self.deferred.clear()
-        if self.results is not None:
+        if self.results is not None and self.results is self.plan.results:
             self.results.zero_()  # ordered after the reads above: same stream, and they were waited for
             self.plan.results_zeroed = True
 

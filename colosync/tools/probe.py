@@ -118,7 +118,12 @@ def _dev_shm() -> Check:
 def _mps() -> Check:
     folder = mps_daemon()
     if folder is not None:
-        return Check("CUDA MPS", True, f"a control daemon listens in {folder}: trainer and engine share one context")
+        return Check(
+            "CUDA MPS",
+            True,
+            f"a control daemon's pipe is in {folder}: processes of the user who started it share one context "
+            "(a killed daemon leaves its pipe: `echo get_server_list | nvidia-cuda-mps-control` tells)",
+        )
     return Check(
         "CUDA MPS",
         None,

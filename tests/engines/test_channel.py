@@ -1,9 +1,10 @@
 """The channel server on its own: a real Unix socket, real threads, a handler that answers.
 
-What the engine relies on here: requests from many connections are handled one at a time and
-each connection's replies come back in order; ``stop`` ends every connection, also one whose
-thread is blocked on a client that stopped reading. (The engine-level faults, through a real
-engine process, are in ``tests/faults``.)
+What the engine relies on here: requests from many connections are handled one at a time, in
+the order they asked for the engine, and each connection's replies come back in order; ``stop``
+answers the request that asked for it, handles nothing after it, and ends every connection
+within one deadline, also those whose threads are blocked on clients that stopped reading.
+(The engine-level faults, through a real engine process, are in ``tests/faults``.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from colosync.engines import channel
 from colosync.engines.channel import ChannelServer, Deadlines
 from colosync.engines.config import EngineAddress
 from tests.faults.clients import HEADER, raw_client
@@ -89,7 +91,30 @@ def test_requests_from_many_connections_are_handled_one_at_a_time_and_answered_i
     assert most[0] == 1, f"{most[0]} requests were handled at once; the engine takes one turn at a time"
 
 
-def test_stop_ends_a_connection_blocked_on_a_client_that_reads_no_replies():
+def test_turns_are_granted_first_come_first_served():
+    """A plain lock wakes waiters in no promised order, so a client that keeps asking could starve
+    another; the engine's turn goes to waiters in the order they asked."""
+    turns = channel._Turns()
+    order: list[int] = []
+
+    def wait_for_turn(k: int) -> None:
+        with turns:
+            order.append(k)
+
+    with turns:  # held while eight threads line up, one after the other
+        threads = []
+        for k in range(8):
+            thread = threading.Thread(target=wait_for_turn, args=(k,))
+            thread.start()
+            threads.append(thread)
+            while turns._issued < k + 2:  # this one has its ticket before the next one starts
+                time.sleep(0.001)
+    for thread in threads:
+        thread.join(10)
+    assert order == list(range(8))
+
+
+def test_stop_cuts_off_every_client_blocked_on_a_full_socket_within_one_deadline():
     handled = [0]
 
     def handle(_session: object, data: bytes) -> bytes:
@@ -97,20 +122,50 @@ def test_stop_ends_a_connection_blocked_on_a_client_that_reads_no_replies():
         return b"r" * 4096
 
     closed: list[str] = []
+    floods = []
     with serving(handle, closed, Deadlines(message_s=1.0)) as (server, address):
-        flood = raw_client(address)
-        flood.settimeout(0.5)
-        message = HEADER.pack(1) + b"x"
-        with contextlib.suppress(TimeoutError):
-            for _ in range(2000):  # ~8 MB of replies, never read: its thread blocks writing them
-                flood.sendall(message * 50)
+        idle = raw_client(address)  # connected, sends nothing: its thread sleeps in recv
+        for _ in range(3):
+            flood = raw_client(address)
+            flood.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                for _ in range(2000):  # ~8 MB of replies, never read: its thread blocks writing them
+                    flood.sendall((HEADER.pack(1) + b"x") * 50)
+            floods.append(flood)
         seen = -1
-        while seen != handled[0]:  # until the server stopped taking this client's requests
+        while seen != handled[0]:  # until the server stopped taking these clients' requests
             seen = handled[0]
             time.sleep(0.2)
-        assert server.connections == 1
+        assert server.connections == 4
         started = time.monotonic()
-    # leaving ``serving`` stopped the server: it had to cut the blocked connection off
-    assert time.monotonic() - started < 10
+    # leaving ``serving`` stopped the server: one deadline for all the blocked clients, not one each
+    assert time.monotonic() - started < 2.5
+    assert closed == ["the engine is shutting down"] * 4
+    for sock in [idle, *floods]:
+        sock.close()
+
+
+def test_a_request_that_stops_the_server_is_answered_and_the_ones_after_it_are_not_handled():
+    handled: list[bytes] = []
+    server_box: list[ChannelServer] = []
+
+    def handle(_session: object, data: bytes) -> bytes:
+        handled.append(data)
+        if data == b"stop":
+            server_box[0].stop()
+            return b"bye"
+        return b"ok"
+
+    closed: list[str] = []
+    with serving(handle, closed) as (server, address):
+        server_box.append(server)
+        sock = raw_client(address)
+        sock.sendall(b"".join(HEADER.pack(len(m)) + m for m in [b"one", b"stop", *[b"late"] * 500]))
+        assert read_reply(sock) == b"ok"
+        assert read_reply(sock) == b"bye"
+        deadline = time.monotonic() + 10
+        while server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert handled == [b"one", b"stop"], "requests read after stop() reached the engine"
     assert closed == ["the engine is shutting down"]
-    flood.close()
+    sock.close()

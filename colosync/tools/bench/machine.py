@@ -49,8 +49,9 @@ MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
 
 
 def mps_daemon() -> str | None:
-    """The pipe directory of a running CUDA MPS control daemon (``CUDA_MPS_PIPE_DIRECTORY``, else
-    ``/tmp/nvidia-mps``), or None when there is none.
+    """The pipe directory of a CUDA MPS control daemon (``CUDA_MPS_PIPE_DIRECTORY``, else
+    ``/tmp/nvidia-mps``) when its control pipe is there, else None. A daemon that was killed
+    leaves its pipe behind, so this says "likely running", not more.
 
     Without MPS, a trainer and an engine on one GPU are two CUDA contexts that the GPU
     time-slices, and every hand-off between them cost ~0.3 ms on an H200

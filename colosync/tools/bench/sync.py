@@ -82,7 +82,7 @@ class BenchResult(msgspec.Struct):
     floor_ms: float | None
     results: list[PathResult]
     notes: list[str] = []
-    mps: bool | None = None  # a CUDA MPS daemon was running (None: no GPU)
+    mps: bool | None = None  # a CUDA MPS daemon's control pipe was there (None: no GPU); see ``mps_daemon``
 
 
 # -- workloads -------------------------------------------------------------------------------
