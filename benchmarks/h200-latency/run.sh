@@ -7,6 +7,7 @@
 #   seed     colosync bench seed-lora: every path, the seeds' references and the floors
 #   big      colosync bench llama8b-full: cuda_ipc in 4 GiB buckets through one slot, and the arena
 #   bigvariants  llama8b-full cuda_ipc at other bucket sizes and slot counts (BIG_VARIANTS="MiB:slots ...")
+#   shmchunks  seed-lora over shm at other chunk sizes (SHM_CHUNKS="16 8 4 32", MiB)
 #   tests    the gpu-marked tests of the transports, the sync, the wire and the faults
 set -u
 OUT=${OUT:?}
@@ -62,6 +63,12 @@ for what in "$@"; do
       timeout 150 $PY -m colosync.tools.cli bench --workload llama8b-full --transports cuda_ipc --references none \
         --no-floor --bucket-mb cuda_ipc=$mb --slots cuda_ipc=$slots --repeats "${BIG_REPEATS:-5}" --warmup 2 \
         --out "/tmp/llama8b-$mb-$slots.json" 2>&1 | grep -E "^(│ )?cuda_ipc" | tee -a "$log"
+    done ;;
+  shmchunks)
+    for mb in ${SHM_CHUNKS:-16 8 4 32}; do
+      step "seed-lora shm: $mb MiB chunks"
+      COLOSYNC_SHM_CHUNK_MB=$mb timeout 60 $PY -m colosync.tools.cli bench --workload seed-lora --transports shm \
+        --references none --no-floor --repeats 20 --out "/tmp/shm-chunk$mb.json" 2>&1 | grep -E "^(│ )?shm" | tee -a "$log"
     done ;;
   tests)
     step "gpu tests: ${TESTS:-tests/wire tests/transports tests/sync tests/faults}"
