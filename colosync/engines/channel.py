@@ -70,6 +70,7 @@ class Deadlines(msgspec.Struct, frozen=True):
 
     authenticate_s: float = 2.0  # from connect to a correct challenge answer
     message_s: float = 10.0  # from a message's first byte to its last
+    shutdown_s: float = 2.0  # at shutdown, for the clients' last replies to be taken (then they are cut off)
 
 
 # =========================================================================================
@@ -169,13 +170,13 @@ class ChannelServer:
 
     def _end_clients(self) -> None:
         """Stop reading every client; a request in hand is answered, then each session closes. Clients
-        still blocked after ``message_s`` (on a full socket, say) are cut off, all at once."""
+        still blocked after ``shutdown_s`` (on a full socket, say) are cut off, all at once."""
         with self._lock:
             clients = dict(self._clients)
             for sock in clients:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RD)
-        deadline = time.monotonic() + self.deadlines.message_s
+        deadline = time.monotonic() + self.deadlines.shutdown_s
         for thread in clients.values():
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:

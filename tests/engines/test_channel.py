@@ -123,7 +123,7 @@ def test_stop_cuts_off_every_client_blocked_on_a_full_socket_within_one_deadline
 
     closed: list[str] = []
     floods = []
-    with serving(handle, closed, Deadlines(message_s=1.0)) as (server, address):
+    with serving(handle, closed, Deadlines(shutdown_s=1.0)) as (server, address):
         idle = raw_client(address)  # connected, sends nothing: its thread sleeps in recv
         for _ in range(3):
             flood = raw_client(address)
