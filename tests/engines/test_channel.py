@@ -3,13 +3,16 @@
 What the engine relies on here: requests from many connections are handled one at a time, in
 the order they asked for the engine, and each connection's replies come back in order; ``stop``
 answers the request that asked for it, handles nothing after it, and ends every connection
-within one deadline, also those whose threads are blocked on clients that stopped reading.
-(The engine-level faults, through a real engine process, are in ``tests/faults``.)
+within one deadline, also those whose threads are blocked on clients that stopped reading; a
+failing handler or session costs only its own client; running out of descriptors or threads
+makes the server wait, not spin or die. (The engine-level faults, through a real engine process,
+are in ``tests/faults``.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import socket
@@ -26,11 +29,14 @@ from tests.faults.clients import HEADER, raw_client
 
 @contextlib.contextmanager
 def serving(
-    handle: Callable[[object, bytes], bytes], closed: list[str], deadlines: Deadlines | None = None
+    handle: Callable[[object, bytes], bytes],
+    closed: list[str],
+    deadlines: Deadlines | None = None,
+    open_session: Callable[[int | None], object] = lambda pid: pid,
 ) -> Iterator[tuple[ChannelServer, EngineAddress]]:
     folder = tempfile.mkdtemp(prefix="colosync-test-channel-")
     address = EngineAddress(os.path.join(folder, "socket"), secrets.token_bytes(32))
-    server = ChannelServer(address, lambda pid: pid, handle, lambda _session, why: closed.append(why), deadlines)
+    server = ChannelServer(address, open_session, handle, lambda _session, why: closed.append(why), deadlines)
     ready = threading.Event()
     thread = threading.Thread(target=server.serve, kwargs={"ready": ready.set}, daemon=True)
     thread.start()
@@ -169,3 +175,91 @@ def test_a_request_that_stops_the_server_is_answered_and_the_ones_after_it_are_n
     assert handled == [b"one", b"stop"], "requests read after stop() reached the engine"
     assert closed == ["the engine is shutting down"]
     sock.close()
+
+
+def echo(_session: object, data: bytes) -> bytes:
+    return data
+
+
+def test_a_handler_that_raises_drops_its_client_closes_its_session_and_serves_the_others():
+    def handle(_session: object, data: bytes) -> bytes:
+        if data == b"boom":
+            raise RuntimeError("an engine bug")
+        return data
+
+    closed: list[str] = []
+    with serving(handle, closed) as (_, address):
+        victim, bystander = raw_client(address), raw_client(address)
+        victim.sendall(HEADER.pack(4) + b"boom")
+        assert victim.recv(16) == b"", "the client whose request failed was not dropped"
+        bystander.sendall(HEADER.pack(2) + b"hi")
+        assert read_reply(bystander) == b"hi"
+        assert closed == ["a request failed without a reply"]
+        victim.close()
+        bystander.close()
+
+
+def test_a_session_that_cannot_open_drops_only_that_client():
+    opened: list[int | None] = []
+
+    def open_session(pid: int | None) -> object:
+        opened.append(pid)
+        if len(opened) == 1:
+            raise RuntimeError("no session for you")
+        return pid
+
+    closed: list[str] = []
+    with serving(echo, closed, open_session=open_session) as (server, address):
+        first = raw_client(address)
+        assert first.recv(16) == b"", "a client without a session was kept"
+        second = raw_client(address)
+        second.sendall(HEADER.pack(2) + b"hi")
+        assert read_reply(second) == b"hi"
+        assert server.connections == 1
+    assert closed == ["the engine is shutting down"]  # the second's; the first never had a session
+    first.close()
+    second.close()
+
+
+class _ListenerOutOfDescriptors:
+    """A fake listener: running this test process out of descriptors for real would break the rest
+    of the run, and accept() failing with EMFILE is all the server can see of it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def accept(self) -> tuple[socket.socket, object]:
+        self.calls += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_accept_out_of_descriptors_waits_a_second_instead_of_spinning():
+    closed: list[str] = []
+    with serving(echo, closed) as (server, _):
+        listener = _ListenerOutOfDescriptors()
+        started = time.monotonic()
+        server._accept(listener)  # type: ignore[arg-type]
+        assert time.monotonic() - started >= 0.9, "the accepting thread would spin on a readable listener"
+        threading.Timer(0.1, server.stop).start()
+        started = time.monotonic()
+        server._accept(listener)  # type: ignore[arg-type]
+        assert time.monotonic() - started < 0.9, "the wait did not end when the server stopped"
+
+
+def test_a_connection_whose_thread_cannot_start_is_refused_and_the_server_goes_on(monkeypatch):
+    closed: list[str] = []
+    with serving(echo, closed) as (server, address):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address.path + "-spare")
+        listener.listen(1)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(address.path + "-spare")
+        with monkeypatch.context() as patch:  # the thread limit, which the test cannot reach for real
+            patch.setattr(threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no threads")))
+            server._accept(listener)
+        client.settimeout(5)
+        assert client.recv(16) == b"", "the refused connection was left open"
+        assert server.connections == 0
+        client.close()
+        listener.close()
+        os.unlink(address.path + "-spare")
