@@ -37,20 +37,54 @@ from colosync.sync.plan import STAGING, Plan, Plans, StreamSource, ViewKey
 from colosync.transports import SenderTransport
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
 from colosync.wire import fused, gather
-from colosync.wire.bucket import typed_views
 from colosync.wire.protocol import Ack, Begin, BeginAgain, Commit, Delivery, Prepare, Stage
 
 if TYPE_CHECKING:
     from colosync.sync.link import Pending
 
 PHASES = ("pack", "transfer", "stage", "prepare", "commit")
-ChunkPlan = tuple[list[torch.Tensor], list[tuple[int, int, "torch.Tensor | None"]]]  # views; per chunk: what to pack
-OVERLAP = os.environ.get("COLOSYNC_SHM_OVERLAP", "0") == "1"
-"""Through host slots from a GPU, pack chunk by chunk and copy each out while the next packs (``1``: on).
+EDGE_BYTES = int(float(os.environ.get("COLOSYNC_SHM_EDGE_MB", "2")) * (1 << 20)) // 8192 * 8192
+"""The first and last chunk of an update through host slots from a GPU (``COLOSYNC_SHM_EDGE_MB``; 0: off).
 
-Off by default: on an H200 it moved seed-lora over ``shm`` from 5.19 to 5.37 ms (one run each,
-``benchmarks/h200-graphs``): the per-chunk launches cost the trainer's CPU what the earlier
-first copy saved."""
+The engine's host-to-device copy of a chunk can start only once the trainer's device-to-host
+copy of it is done, so the first chunk's copy out and the last chunk's copy in run with the
+other direction idle. Chunks that double from this size up to the slot at the start of an
+update, and halve down to it at the end, keep both directions of PCIe busy nearly throughout."""
+
+
+def chunk_spans(
+    size: int, slot_bytes: int, edge: int = 0, head: bool = False, tail: bool = False
+) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each chunk of a ``size``-byte bucket, none longer than ``slot_bytes``.
+
+    With ``edge`` > 0 the chunks ramp up from ``edge`` bytes at the ``head`` of the bucket and
+    down to it at its ``tail`` (see ``EDGE_BYTES``); a bucket too small for the ramps is cut
+    plainly. Every chunk but the bucket's last starts and ends on an 8-byte word, as the
+    engine's device check wants.
+    """
+    ramp: list[int] = []
+    step = edge
+    while 0 < step < slot_bytes:
+        ramp.append(step)
+        step *= 2
+    front = ramp if head else []
+    back = ramp[::-1] if tail else []
+    if sum(front) + sum(back) >= size:
+        front, back = [], []
+    body = size - sum(front) - sum(back)
+    if back:  # the odd bytes go with the final (short) chunk, so the body stays whole words
+        back[-1] += body % 8
+        body -= body % 8
+    whole, rest = divmod(body, slot_bytes)
+    middle = [slot_bytes] * whole
+    if rest:  # ramping down, the short piece goes first; else last, as a plain cut has it
+        middle.insert(0 if back else whole, rest)
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for nbytes in front + middle + back:
+        spans.append((offset, nbytes))
+        offset += nbytes
+    return spans or [(0, 0)]
 
 
 class SyncReport(msgspec.Struct, frozen=True):
@@ -203,11 +237,6 @@ class BucketStreamer:
         # Graphs of the pack straight into a slot, per plan: a graph names the plan's memory
         # (padding index, views), so it lives and dies with the plan, and with this transport.
         self._graphs: weakref.WeakKeyDictionary[Plan, GraphCache] = weakref.WeakKeyDictionary()
-        # Chunked packing through host slots (shm on a GPU): a copy stream, views and padding per chunk.
-        self._copier: dict[torch.device, torch.cuda.Stream] = {}
-        self._chunks: weakref.WeakKeyDictionary[Plan, dict[tuple[int, int, int], ChunkPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def stream(
         self, plan: Plan, uid: int, pipe: SlotPipeline, tensors: list[torch.Tensor] | None, source: StreamSource | None
@@ -226,9 +255,6 @@ class BucketStreamer:
                     raise ConfigError("stream() sends from tensors or from a source; pass one")
                 srcs = tensors[i0:i1]
             device = srcs[0].device if srcs else slot_device
-            if OVERLAP and device.type == "cuda" and not to_cuda and size > slot_bytes and not plan.single[bucket]:
-                self._stream_overlapped(plan, bucket, uid, pipe, srcs, size, device, t)
-                continue
             direct = False  # packed straight into its slot
             cell: torch.Tensor | None = None  # where the bucket's fingerprint goes on the device
             checked: torch.Tensor | None = None
@@ -254,9 +280,9 @@ class BucketStreamer:
             if size and not fuse and cell is None and checked is None:
                 checked = fused.copy_check(packed, None, None)
             timer.add("pack", t)
-            for offset in range(0, max(size, 1), slot_bytes):
-                nbytes = min(slot_bytes, size - offset)
-                last = offset + slot_bytes >= size  # the bucket's last chunk carries its fingerprint
+            edge = EDGE_BYTES if packed.is_cuda and not to_cuda else 0  # through host memory: ramp the ends
+            for offset, nbytes in chunk_spans(size, slot_bytes, edge, bucket == 0, bucket == len(plan.sizes) - 1):
+                last = offset + nbytes >= size  # the bucket's last chunk carries its fingerprint
                 if not direct:
                     slot = pipe.acquire()
                     if fuse:
@@ -283,83 +309,6 @@ class BucketStreamer:
                         fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
                 pipe.put(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp)
         # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)
-
-    def _stream_overlapped(
-        self,
-        plan: Plan,
-        bucket: int,
-        uid: int,
-        pipe: SlotPipeline,
-        srcs: list[torch.Tensor],
-        size: int,
-        device: torch.device,
-        t: float,
-    ) -> None:
-        """A bucket on a GPU through host slots: pack it chunk by chunk, each chunk's copy out as soon as it is packed.
-
-        The tensors a chunk needs are packed (and its padding zeroed) on the current stream,
-        then the chunk's device->host copy runs on a copy stream while the next chunk packs.
-        The bucket's fingerprint is computed once it is all packed and goes with its last chunk.
-        """
-        transport, timer = self.transport, pipe.timer
-        slot_bytes = transport.slot_bytes
-        current = torch.cuda.current_stream(device)
-        copier = self._copier.get(device)
-        if copier is None:
-            copier = self._copier[device] = torch.cuda.Stream(device)
-        current.wait_stream(copier)  # the staging buffer is free once the earlier copies out of it are done
-        packed = self._staging_buffer(size, device)
-        views, groups = self._chunk_plan(plan, bucket, packed, slot_bytes)
-        chunks = len(groups)
-        for c, (j0, j1, gaps) in enumerate(groups):
-            if j1 > j0:
-                with torch.no_grad():
-                    torch._foreach_copy_(views[j0:j1], srcs[j0:j1], non_blocking=True)
-            if gaps is not None:
-                packed.index_fill_(0, gaps, 0)
-            fp: Any = None
-            if c == chunks - 1:  # the bucket's last chunk carries its fingerprint
-                checked = fused.copy_check(packed, None, None)
-                fp = self._fp_slot(bucket).copy_(checked[0], non_blocking=True)
-            t = timer.add("pack", t)
-            offset = c * slot_bytes
-            nbytes = min(slot_bytes, size - offset)
-            slot = pipe.acquire()
-            copier.wait_stream(current)  # this chunk (and, last, the fingerprint) is packed
-            with torch.cuda.stream(copier):
-                transport.slot(slot)[:nbytes].copy_(packed[offset : offset + nbytes], non_blocking=True)
-                fence = torch.cuda.Event()
-                fence.record(copier)
-            transport.written(slot)
-            pipe.put(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp)
-            t = time.perf_counter()
-
-    def _chunk_plan(self, plan: Plan, bucket: int, packed: torch.Tensor, slot_bytes: int) -> ChunkPlan:
-        """Views of the bucket's tensors in ``packed`` and, per chunk, which of them to pack first and its padding."""
-        cached = self._chunks.get(plan)
-        if cached is None:
-            cached = self._chunks[plan] = {}
-        key = (bucket, packed.data_ptr(), slot_bytes)
-        entry = cached.get(key)
-        if entry is not None:
-            return entry
-        i0, i1 = plan.bounds[bucket]
-        metas = plan.metas[i0:i1]
-        views = typed_views(packed, metas)
-        size = plan.sizes[bucket]
-        groups: list[tuple[int, int, torch.Tensor | None]] = []
-        j = 0
-        for start in range(0, size, slot_bytes):
-            end = min(start + slot_bytes, size)
-            j0 = j
-            while j < len(metas) and metas[j].offset < end:  # every tensor that starts before the chunk ends
-                j += 1
-            spans = [(max(a, start), min(b, end)) for a, b in plan.gaps[bucket] if a < end and b > start]
-            gaps = torch.cat([torch.arange(a, b) for a, b in spans]).to(packed.device) if spans else None
-            groups.append((j0, j, gaps))
-        made: ChunkPlan = (views, groups)
-        cached[key] = made
-        return made
 
     def _pack_checked(
         self, plan: Plan, bucket: int, slot: int, packed: torch.Tensor, srcs: list[torch.Tensor], cell: torch.Tensor
@@ -431,11 +380,8 @@ class BucketStreamer:
     def _staging_buffer(self, size: int, device: torch.device) -> torch.Tensor:
         buf = self._staging
         if buf is None or buf.numel() < size or buf.device != device:
-            for copier in self._copier.values():  # a copy may still read the old buffer
-                torch.cuda.current_stream(copier.device).wait_stream(copier)
             buf = self._staging = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
             self._plans.drop_views(staging_only=True)
-            self._chunks = weakref.WeakKeyDictionary()
         return buf[:size]
 
 
