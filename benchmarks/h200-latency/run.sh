@@ -8,7 +8,6 @@
 #   big      colosync bench llama8b-full: cuda_ipc in 4 GiB buckets through one slot, and the arena
 #   bigvariants  llama8b-full cuda_ipc at other bucket sizes and slot counts (BIG_VARIANTS="MiB:slots ...")
 #   shmchunks  seed-lora over shm at other chunk sizes (SHM_CHUNKS="16 8 4 32", MiB)
-#   edges    seed-lora over shm with other edge chunks, alternated (SHM_EDGES="0 2 1 4 0 2", MiB; 0: no ramp)
 #   tests    the gpu-marked tests of the transports, the sync, the wire and the faults
 set -u
 OUT=${OUT:?}
@@ -30,14 +29,12 @@ for what in "$@"; do
     timeout 300 $PY $HERE/kernels.py --out "$OUT/kernels.json" 2>&1 | tee -a "$log" ;;
   trace)
     for spec in "cuda_ipc:--transports cuda_ipc" "arena:--transports cuda_ipc --arena" "shm:--transports shm" \
-                "arena-stream-wait:--transports cuda_ipc --arena" "shm-no-edge:--transports shm"; do
+                "arena-stream-wait:--transports cuda_ipc --arena"; do
       name=${spec%%:*}; args=${spec#*:}; dir=/tmp/trace-$name
-      case " ${TRACES:-cuda_ipc arena shm arena-stream-wait} " in *" $name "*) ;; *) continue ;; esac
       step "traced seed-lora: $name"
       rm -rf "$dir"; mkdir -p "$dir"
       wait=host; [ "$name" = arena-stream-wait ] && wait=stream
-      edge=${COLOSYNC_SHM_EDGE_MB:-2}; [ "$name" = shm-no-edge ] && edge=0
-      COLOSYNC_SHM_EDGE_MB=$edge COLOSYNC_CUDA_IPC_WAIT=$wait COLOSYNC_TRACE_DIR=$dir PYTHONPATH=$HERE/trace:${PYTHONPATH:-} timeout 180 $PY -m colosync.tools.cli bench \
+      COLOSYNC_CUDA_IPC_WAIT=$wait COLOSYNC_TRACE_DIR=$dir PYTHONPATH=$HERE/trace:${PYTHONPATH:-} timeout 180 $PY -m colosync.tools.cli bench \
         --workload seed-lora $args --references none --no-floor --repeats 20 --out "$dir/bench.json" 2>&1 \
         | grep -E "^(│ )?(cuda_ipc|shm)" | tee -a "$log"
       { echo "## $name"; $PY $HERE/timeline.py "$dir" --last 20; echo; } >>"$OUT/timelines.txt" 2>&1
@@ -72,12 +69,6 @@ for what in "$@"; do
       step "seed-lora shm: $mb MiB chunks"
       COLOSYNC_SHM_CHUNK_MB=$mb timeout 60 $PY -m colosync.tools.cli bench --workload seed-lora --transports shm \
         --references none --no-floor --repeats 20 --out "/tmp/shm-chunk$mb.json" 2>&1 | grep -E "^(│ )?shm" | tee -a "$log"
-    done ;;
-  edges)
-    for mb in ${SHM_EDGES:-0 2 1 4 0 2}; do
-      step "seed-lora shm: edge chunks of $mb MiB (${COLOSYNC_SHM_CHUNK_MB:-16} MiB slots)"
-      COLOSYNC_SHM_EDGE_MB=$mb timeout 60 $PY -m colosync.tools.cli bench --workload seed-lora --transports shm \
-        --references none --no-floor --repeats 20 --out "/tmp/shm-edge$mb.json" 2>&1 | grep -E "^(│ )?shm" | tee -a "$log"
     done ;;
   tests)
     step "gpu tests: ${TESTS:-tests/wire tests/transports tests/sync tests/faults}"

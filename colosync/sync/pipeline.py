@@ -21,7 +21,6 @@ it can, and hands each chunk to the pipeline.
 from __future__ import annotations
 
 import operator
-import os
 import time
 import weakref
 from collections import deque
@@ -43,48 +42,6 @@ if TYPE_CHECKING:
     from colosync.sync.link import Pending
 
 PHASES = ("pack", "transfer", "stage", "prepare", "commit")
-EDGE_BYTES = int(float(os.environ.get("COLOSYNC_SHM_EDGE_MB", "2")) * (1 << 20)) // 8192 * 8192
-"""The first and last chunk of an update through host slots from a GPU (``COLOSYNC_SHM_EDGE_MB``; 0: off).
-
-The engine's host-to-device copy of a chunk can start only once the trainer's device-to-host
-copy of it is done, so the first chunk's copy out and the last chunk's copy in run with the
-other direction idle. Chunks that double from this size up to the slot at the start of an
-update, and halve down to it at the end, keep both directions of PCIe busy nearly throughout."""
-
-
-def chunk_spans(
-    size: int, slot_bytes: int, edge: int = 0, head: bool = False, tail: bool = False
-) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each chunk of a ``size``-byte bucket, none longer than ``slot_bytes``.
-
-    With ``edge`` > 0 the chunks ramp up from ``edge`` bytes at the ``head`` of the bucket and
-    down to it at its ``tail`` (see ``EDGE_BYTES``); a bucket too small for the ramps is cut
-    plainly. Every chunk but the bucket's last starts and ends on an 8-byte word, as the
-    engine's device check wants.
-    """
-    ramp: list[int] = []
-    step = edge
-    while 0 < step < slot_bytes:
-        ramp.append(step)
-        step *= 2
-    front = ramp if head else []
-    back = ramp[::-1] if tail else []
-    if sum(front) + sum(back) >= size:
-        front, back = [], []
-    body = size - sum(front) - sum(back)
-    if back:  # the odd bytes go with the final (short) chunk, so the body stays whole words
-        back[-1] += body % 8
-        body -= body % 8
-    whole, rest = divmod(body, slot_bytes)
-    middle = [slot_bytes] * whole
-    if rest:  # ramping down, the short piece goes first; else last, as a plain cut has it
-        middle.insert(0 if back else whole, rest)
-    spans: list[tuple[int, int]] = []
-    offset = 0
-    for nbytes in front + middle + back:
-        spans.append((offset, nbytes))
-        offset += nbytes
-    return spans or [(0, 0)]
 
 
 class SyncReport(msgspec.Struct, frozen=True):
@@ -280,9 +237,9 @@ class BucketStreamer:
             if size and not fuse and cell is None and checked is None:
                 checked = fused.copy_check(packed, None, None)
             timer.add("pack", t)
-            edge = EDGE_BYTES if packed.is_cuda and not to_cuda else 0  # through host memory: ramp the ends
-            for offset, nbytes in chunk_spans(size, slot_bytes, edge, bucket == 0, bucket == len(plan.sizes) - 1):
-                last = offset + nbytes >= size  # the bucket's last chunk carries its fingerprint
+            for offset in range(0, max(size, 1), slot_bytes):
+                nbytes = min(slot_bytes, size - offset)
+                last = offset + slot_bytes >= size  # the bucket's last chunk carries its fingerprint
                 if not direct:
                     slot = pipe.acquire()
                     if fuse:

@@ -95,40 +95,6 @@ def test_cuda_ipc_handle_carries_one_event_per_slot_and_the_cells():
         CudaIpcHandle(b"\0" * 64, "u", 1, 8, 1, (), -1)
 
 
-def test_chunked_pack_writes_each_chunk_before_its_copy():
-    """The chunk plan of the shm pack (COLOSYNC_SHM_OVERLAP): after the groups up to chunk c, chunk c is final."""
-    from colosync.sync.pipeline import BucketStreamer
-    from colosync.sync.plan import Plan, Plans, ViewKey
-    from colosync.transports.shm import ShmSender
-
-    g = torch.Generator().manual_seed(3)
-    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float64]
-    specs = [(f"t{i}", (5 + 3 * i, 7 + i % 3), dtypes[i % 4]) for i in range(40)] + [("empty", (0,), torch.float32)]
-    tensors = [torch.randn(shape, generator=g).to(dtype) for _, shape, dtype in specs]
-    plan = Plan(specs, 1 << 20)
-    size = plan.sizes[0]
-    want = torch.zeros(size, dtype=torch.uint8)
-    plan.pack(ViewKey(0, -1), want, tensors)  # the whole-bucket pack, padding zeroed
-    transport = ShmSender(4096, 2, torch.device("cpu"))
-    try:
-        streamer = BucketStreamer(transport, Plans(), 1 << 20)
-        for chunk in (512, 1000 * 8, 4096, size):
-            packed = torch.full((size,), 0xAA, dtype=torch.uint8)  # poisoned: every byte must be written
-            views, groups = streamer._chunk_plan(plan, 0, packed, chunk)
-            assert len(groups) == -(-size // chunk) and groups[-1][1] == len(specs) - 1  # (the empty one: nothing)
-            for c, (j0, j1, gaps) in enumerate(groups):
-                if j1 > j0:
-                    torch._foreach_copy_(views[j0:j1], tensors[j0:j1])
-                if gaps is not None:
-                    packed.index_fill_(0, gaps, 0)
-                lo, hi = c * chunk, min((c + 1) * chunk, size)
-                assert torch.equal(packed[lo:hi], want[lo:hi]), (chunk, c)
-            assert streamer._chunk_plan(plan, 0, packed, chunk)[1] is groups  # cached
-    finally:
-        transport.close()
-
-
-# -- GPU ---------------------------------------------------------------------------------------
 def named(seed: int, n: int = 24, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(seed)
     return [(f"l{i}.w", torch.randn(32 + i, 64, device=device, generator=g).to(torch.bfloat16)) for i in range(n)] + [

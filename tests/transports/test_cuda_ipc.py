@@ -104,11 +104,18 @@ def test_shm_on_gpu_is_pinned_chunked_and_bounded(sink):
     assert sink.call(Digest()).receiver_bytes <= bucket  # engine side: at most one bucket
 
 
-def test_shm_on_gpu_packs_chunk_by_chunk_across_chunk_boundaries(sink, monkeypatch):
-    """Buckets larger than a chunk: each chunk is packed and copied out before the next; bytes stay exact."""
+def test_shm_on_gpu_carries_buckets_across_chunk_boundaries(sink, monkeypatch):
+    """Buckets larger than a chunk, odd-sized tensors straddling every cut: the engine serves exactly the bytes."""
     from colosync.sync import pipeline
 
-    monkeypatch.setattr(pipeline, "OVERLAP", True)  # COLOSYNC_SHM_OVERLAP=1
+    sent: list[tuple[int, int]] = []
+    put = pipeline.SlotPipeline.put
+
+    def spy(self, stage, fence=None, fingerprint=None):
+        sent.append((stage.bucket, stage.nbytes))
+        return put(self, stage, fence, fingerprint)
+
+    monkeypatch.setattr(pipeline.SlotPipeline, "put", spy)
     g = torch.Generator(device="cuda").manual_seed(5)
     dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
     named = [  # odd sizes: padding between tensors, tensors straddling the 16 MiB chunk boundaries
@@ -117,13 +124,15 @@ def test_shm_on_gpu_packs_chunk_by_chunk_across_chunk_boundaries(sink, monkeypat
     ]
     bucket = 40 << 20
     with Sender(sink.connect(), transport="shm", bucket_bytes=bucket) as sender:
-        for step in range(3):  # the second and third reuse the per-chunk views and padding indices
+        for step in range(3):  # the second and third reuse the staging buffer and the gather tables
             if step:
                 with torch.no_grad():
                     for _, t in named:
                         t.add_(1)
+            sent.clear()
             report = sender.push(named)
             assert report.buckets >= 2 and sender.transport.slot_bytes == CHUNK_BYTES < bucket
+            assert [b for b, _ in sent].count(0) >= 3 and max(n for _, n in sent) == CHUNK_BYTES
             assert_served(sink, named)
 
 
