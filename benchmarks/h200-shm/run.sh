@@ -2,8 +2,6 @@
 # Session 8 on the H200, one device call: OUT=<dir> bash benchmarks/h200-shm/run.sh [STEP...]
 #   ab       seed-lora over shm, the tree in .ab/old (the commit before a change) and this tree, alternated
 #   trace    seed-lora over shm with both processes traced (../h200-latency/trace), timeline in $OUT
-#   seed     colosync bench seed-lora: every path, the seeds' references and the floors
-#   tests    the gpu-marked tests of sync + faults and wire + transports, two streams side by side
 # .ab/old is made here before the call: rm -rf .ab && mkdir -p .ab/old && git archive <commit> colosync | tar -x -C .ab/old
 set -u
 OUT=${OUT:?}
@@ -14,7 +12,7 @@ shm() {  # run from the tree whose colosync is imported (python -m puts the work
   timeout 60 python3 -m colosync.tools.cli bench --workload seed-lora --transports shm --references none --no-floor \
     --repeats 20 --out /tmp/shm.json "$@" 2>&1 | grep -E "^(│ )?shm"
 }
-steps=${*:-ab trace seed tests}
+steps=${*:-ab trace}
 for what in $steps; do
   case $what in
   ab)
@@ -26,13 +24,6 @@ for what in $steps; do
     rm -rf /tmp/trace && mkdir -p /tmp/trace
     COLOSYNC_TRACE_DIR=/tmp/trace PYTHONPATH=$LAT/trace:$PYTHONPATH shm | tee -a "$OUT/ab.log"
     python3 $LAT/timeline.py /tmp/trace --last 20 >"$OUT/timeline.txt" 2>&1 ;;
-  seed)
-    timeout 170 python3 -m colosync.tools.cli bench --workload seed-lora --arena --repeats 20 --out "$OUT/seed-lora.json" 2>&1 \
-      | grep -v '^\s*$' | tee "$OUT/seed-lora.txt" ;;
-  tests)
-    mkdir -p "$OUT/tests"
-    OUT=$OUT/tests LIMIT=${LIMIT:-230} bash benchmarks/h200-session4/run.sh sync-faults "tests/sync tests/faults" \
-      wire-transports "tests/wire tests/transports" | tail -12 ;;
   *) echo "unknown step $what" ;;
   esac
 done

@@ -95,6 +95,7 @@ def test_cuda_ipc_handle_carries_one_event_per_slot_and_the_cells():
         CudaIpcHandle(b"\0" * 64, "u", 1, 8, 1, (), -1)
 
 
+# -- GPU ---------------------------------------------------------------------------------------
 def named(seed: int, n: int = 24, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(seed)
     return [(f"l{i}.w", torch.randn(32 + i, 64, device=device, generator=g).to(torch.bfloat16)) for i in range(n)] + [
