@@ -352,7 +352,9 @@ class Landing(abc.ABC):
         self._on_device = self._check and lander.device.type == "cuda"  # verdicts wait on the device
         self.received: dict[int, int] = {}  # bucket -> bytes landed so far
         self.buffers: dict[int, torch.Tensor] = {}  # Receiver-owned bucket buffers (OwnedLanding)
-        self.tensors: dict[str, torch.Tensor] = {}  # what ``prepare`` hands the engine
+        # what ``prepare`` hands the engine: the lent tensors by name, named here at begin, where the engine
+        # waits for the first chunk anyway, not at prepare (~0.07 ms for 624 tensors on a GPU host)
+        self.tensors: dict[str, torch.Tensor] = {} if staging is None else dict(zip(plan.names, staging, strict=True))
         self.deferred: list[Verdict] = []  # device verdicts to read at ``prepare``
         self.results: torch.Tensor | None = None  # one zeroed [fingerprint, non-finite, sent] row per bucket
         self.device_sent: set[int] = set()  # buckets whose sent fingerprint came in device memory
@@ -434,8 +436,6 @@ class Landing(abc.ABC):
 
     def engine_tensors(self) -> dict[str, torch.Tensor]:
         """The update's tensors by name, for ``EngineTarget.prepare``."""
-        if self.staging is not None:
-            self.tensors = dict(zip(self.plan.names, self.staging, strict=True))
         return self.tensors
 
     def release(self) -> None:

@@ -20,7 +20,9 @@ it can, and hands each chunk to the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import os
 import time
 import weakref
 from collections import deque
@@ -42,6 +44,49 @@ if TYPE_CHECKING:
     from colosync.sync.link import Pending
 
 PHASES = ("pack", "transfer", "stage", "prepare", "commit")
+_CURRENT_STREAM = contextlib.nullcontext()
+EDGE_BYTES = int(float(os.environ.get("COLOSYNC_SHM_EDGE_MB", "0")) * (1 << 20)) // 8192 * 8192
+"""The first and last chunk of an update through host slots from a GPU (``COLOSYNC_SHM_EDGE_MB``; 0: off).
+
+The engine's copy of a chunk to its device starts only once the trainer's copy of it to host
+memory is done, so an update takes the trainer's first chunk plus every chunk's copy in plus
+the tail. Chunks that double from this size up to the slot at an update's start, and halve
+down to it at its end, shorten both ends."""
+
+
+def chunk_spans(
+    size: int, slot_bytes: int, edge: int = 0, head: bool = False, tail: bool = False
+) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each chunk of a ``size``-byte bucket, none longer than ``slot_bytes``.
+
+    With ``edge`` > 0 the chunks ramp up from ``edge`` bytes at the ``head`` of the bucket and
+    down to it at its ``tail`` (see ``EDGE_BYTES``); a bucket too small for the ramps is cut
+    plainly. Every chunk but the bucket's last starts and ends on an 8-byte word, as the
+    engine's device check wants.
+    """
+    ramp: list[int] = []
+    step = edge
+    while 0 < step < slot_bytes:
+        ramp.append(step)
+        step *= 2
+    front = ramp if head else []
+    back = ramp[::-1] if tail else []
+    if sum(front) + sum(back) >= size:
+        front, back = [], []
+    body = size - sum(front) - sum(back)
+    if back:  # the odd bytes go with the final (short) chunk, so the body stays whole words
+        back[-1] += body % 8
+        body -= body % 8
+    whole, rest = divmod(body, slot_bytes)
+    middle = [slot_bytes] * whole
+    if rest:  # ramping down, the short piece goes first; else last, as a plain cut has it
+        middle.insert(0 if back else whole, rest)
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for nbytes in front + middle + back:
+        spans.append((offset, nbytes))
+        offset += nbytes
+    return spans or [(0, 0)]
 
 
 class SyncReport(msgspec.Struct, frozen=True):
@@ -179,26 +224,86 @@ class SlotPipeline:
         return stage
 
 
+class StagingBuffers:
+    """Where buckets that cannot be packed into a slot are packed, and the stream that copies them to host slots.
+
+    A bucket on a GPU bound for host slots (``shm``) is packed on the current stream and copied
+    out chunk by chunk on a stream of its own, from two buffers in turn. With one stream and
+    one buffer, the pack of bucket b + 1 waited for the last copy out of bucket b and the copy
+    engine sat idle through the pack: 0.12-0.18 ms at each bucket boundary of seed-lora on an
+    H200 (``benchmarks/h200-s9``). Now bucket b + 1 is packed while bucket b's last chunks go
+    out, and waits only for the copies out of bucket b - 1 (``copied``). Elsewhere one buffer
+    serves: its copies are on the current stream, in order.
+    """
+
+    def __init__(self, bucket_bytes: int, plans: Plans) -> None:
+        self._bucket_bytes = bucket_bytes
+        self._plans = plans  # their staging views go stale when a buffer is replaced
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._freed: list[Any] = [None, None]  # per buffer, a CUDA event after the copies out of it
+        self._streams: dict[torch.device, Any] = {}
+
+    def buffer(self, which: int, size: int, device: torch.device) -> torch.Tensor:
+        """``size`` bytes of buffer ``which`` on ``device``, for the current stream once copies out of it are done."""
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < size or buf.device != device:
+            if buf is not None and buf.device in self._streams:
+                buf.record_stream(self._streams[buf.device])  # not reused before the copies out of it are done
+            buf = self._buffers[which] = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
+            self._freed[which] = None
+            self._plans.drop_views(staging_only=True)
+        elif self._freed[which] is not None:
+            torch.cuda.current_stream(device).wait_event(self._freed[which])
+        return buf[:size]
+
+    def copier(self, device: torch.device) -> Any:
+        """The stream for copies to host slots on ``device``, made to wait for the current stream's work so far."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def copied(self, which: int, stream: Any) -> None:
+        """Every copy out of buffer ``which`` is queued on ``stream``."""
+        if self._freed[which] is None:
+            self._freed[which] = torch.cuda.Event()
+        self._freed[which].record(stream)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [b for b in self._buffers if b is not None]
+
+
 class BucketStreamer:
     """Packs plans' buckets into one transport's slots (the Sender keeps one per attached transport)."""
 
     def __init__(self, transport: SenderTransport, plans: Plans, bucket_bytes: int) -> None:
         self.transport = transport
-        self._plans = plans  # their staging views go stale when the staging buffer is replaced
-        self._bucket_bytes = bucket_bytes
+        self._plans = plans
         self._slot_device = transport.slot(0).device
-        self._staging: torch.Tensor | None = None
+        self._staging = StagingBuffers(bucket_bytes, plans)
         self._fp_ring: torch.Tensor | None = None
         # Fingerprints in device memory and device-side ordering (cuda_ipc): no host sync per Stage.
         self._device_fp = transport.fingerprint_cell(0) is not None
-        # Graphs of the pack straight into a slot, per plan: a graph names the plan's memory
-        # (padding index, views), so it lives and dies with the plan, and with this transport.
+        # Graphs of the pack, per plan (straight into a slot, or the gather into the staging buffer): a graph
+        # names the plan's memory (padding index, gather table, views), so it lives and dies with the plan.
         self._graphs: weakref.WeakKeyDictionary[Plan, GraphCache] = weakref.WeakKeyDictionary()
+        self._checked: dict[torch.device, torch.Tensor] = {}  # per device, a [fingerprint, 0] row per bucket mod 64
 
     def stream(
-        self, plan: Plan, uid: int, pipe: SlotPipeline, tensors: list[torch.Tensor] | None, source: StreamSource | None
+        self,
+        plan: Plan,
+        uid: int,
+        pipe: SlotPipeline,
+        tensors: list[torch.Tensor] | None,
+        source: StreamSource | None,
+        check: bool = False,
     ) -> None:
-        """Send every bucket of ``plan`` for update ``uid``: from ``tensors`` (plan order), else from ``source``."""
+        """Send every bucket of ``plan`` for update ``uid``: from ``tensors`` (plan order), else from ``source``.
+
+        ``check``: ``plan`` was found by the tensors' names alone; each bucket's are checked before it is packed.
+        """
         transport, timer = self.transport, pipe.timer
         slot_bytes, slot_device = transport.slot_bytes, self._slot_device
         to_cuda = slot_device.type == "cuda"
@@ -211,7 +316,11 @@ class BucketStreamer:
                 if tensors is None:
                     raise ConfigError("stream() sends from tensors or from a source; pass one")
                 srcs = tensors[i0:i1]
+                if check:
+                    plan.check(bucket, srcs)
             device = srcs[0].device if srcs else slot_device
+            to_host = device.type == "cuda" and not to_cuda  # copies out on the staging buffers' stream
+            staged: int | None = None  # which staging buffer the bucket is packed in
             direct = False  # packed straight into its slot
             cell: torch.Tensor | None = None  # where the bucket's fingerprint goes on the device
             checked: torch.Tensor | None = None
@@ -228,7 +337,8 @@ class BucketStreamer:
                     plan.pack(ViewKey(bucket, slot), packed, srcs)
                 direct = True
             else:
-                packed = self._staging_buffer(size, device)
+                staged = bucket % 2 if to_host else 0
+                packed = self._staging.buffer(staged, size, device)
                 checked = self._gather(plan, bucket, packed, srcs)  # packed and fingerprinted in one pass
                 if checked is None:
                     plan.pack(ViewKey(bucket, STAGING), packed, srcs)
@@ -237,34 +347,39 @@ class BucketStreamer:
             if size and not fuse and cell is None and checked is None:
                 checked = fused.copy_check(packed, None, None)
             timer.add("pack", t)
-            for offset in range(0, max(size, 1), slot_bytes):
-                nbytes = min(slot_bytes, size - offset)
-                last = offset + slot_bytes >= size  # the bucket's last chunk carries its fingerprint
+            copier = self._staging.copier(device) if to_host and packed.is_cuda else None  # None: current stream
+            edge = EDGE_BYTES if copier is not None else 0
+            for offset, nbytes in chunk_spans(size, slot_bytes, edge, bucket == 0, bucket == len(plan.sizes) - 1):
+                last = offset + nbytes >= size  # the bucket's last chunk carries its fingerprint
                 if not direct:
                     slot = pipe.acquire()
-                    if fuse:
-                        cell = transport.fingerprint_cell(bucket) if self._device_fp else None
-                        if cell is not None:
-                            cell.zero_()
-                        checked = fused.copy_check(packed, transport.slot(slot)[:size], None, out=cell)
-                    elif nbytes:
-                        transport.slot(slot)[:nbytes].copy_(packed[offset : offset + nbytes], non_blocking=True)
-                    if last and cell is None and self._device_fp and checked is not None and checked.is_cuda:
-                        cell = transport.fingerprint_cell(bucket)
-                        if cell is not None:
-                            cell.copy_(checked)
                 fp: Any = None
-                if last and cell is None:
-                    fp = checked[0] if checked is not None else 0
-                    if isinstance(fp, torch.Tensor) and fp.is_cuda:
-                        fp = self._fp_slot(bucket).copy_(fp, non_blocking=True)
                 fence = None
-                if packed.is_cuda or to_cuda:
-                    device_ordered = transport.written(slot)  # the engine's stream waits for these writes
-                    if not device_ordered or isinstance(fp, torch.Tensor):
-                        fence = torch.cuda.Event()
-                        fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
+                with torch.cuda.stream(copier) if copier is not None else _CURRENT_STREAM:  # not around the link
+                    if not direct:
+                        if fuse:
+                            cell = transport.fingerprint_cell(bucket) if self._device_fp else None
+                            if cell is not None:
+                                cell.zero_()
+                            checked = fused.copy_check(packed, transport.slot(slot)[:size], None, out=cell)
+                        elif nbytes:
+                            transport.slot(slot)[:nbytes].copy_(packed[offset : offset + nbytes], non_blocking=True)
+                        if last and cell is None and self._device_fp and checked is not None and checked.is_cuda:
+                            cell = transport.fingerprint_cell(bucket)
+                            if cell is not None:
+                                cell.copy_(checked)
+                    if last and cell is None:
+                        fp = checked[0] if checked is not None else 0
+                        if isinstance(fp, torch.Tensor) and fp.is_cuda:
+                            fp = self._fp_slot(bucket).copy_(fp, non_blocking=True)
+                    if packed.is_cuda or to_cuda:
+                        device_ordered = transport.written(slot)  # the engine's stream waits for these writes
+                        if not device_ordered or isinstance(fp, torch.Tensor):
+                            fence = torch.cuda.Event()
+                            fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
                 pipe.put(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp)
+            if copier is not None and staged is not None:
+                self._staging.copied(staged, copier)
         # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)
 
     def _pack_checked(
@@ -277,10 +392,7 @@ class BucketStreamer:
         reads them through a device table (``wire.gather``), so the graph does not depend on
         where they are. Anything else is packed with ``_foreach_copy_`` and fingerprinted after.
         """
-        cache = self._graphs.get(plan)
-        if cache is None:
-            capacity = min(256, 4 * len(plan.sizes) * self.transport.num_slots + 4)
-            cache = self._graphs[plan] = GraphCache(packed.device, capacity)
+        cache = self._graph_cache(plan, packed.device)
         i0, i1 = plan.bounds[bucket]
         arena = plan.arena
         how: Any = None  # what the graph depends on besides the slot, the cell and the plan
@@ -307,19 +419,41 @@ class BucketStreamer:
 
         cache.run(key, work)  # the key (0.1-0.3 ms of CPU for 624 tensors unless arena or gather) only with graphs on
 
-    @staticmethod
-    def _gather(plan: Plan, bucket: int, packed: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor | None:
-        """Pack bucket ``bucket`` into ``packed`` in one launch: its ``[fingerprint, 0]``, or None if it cannot."""
+    def _gather(self, plan: Plan, bucket: int, packed: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor | None:
+        """Pack bucket ``bucket`` into ``packed`` in one launch: its ``[fingerprint, 0]``, or None if it cannot.
+
+        The launch (with the zeroing of the padding and of the result) replays as a CUDA graph
+        for a bucket seen before: the table names the sources, so only the staging buffer and
+        the result row are keyed. That is ~0.1 ms of the trainer's CPU before the first chunk
+        of an update may leave the GPU.
+        """
         device = packed.device
         if not gather.enabled(device):
             return None
         table = plan.gather_table(bucket, device)
         if not table.bind(srcs):
             return None
-        checked = torch.zeros(2, dtype=torch.int64, device=device)
-        plan.zero_gaps(bucket, packed)
-        gather.launch(table.table, packed, checked)
+        rows = self._checked.get(device)
+        if rows is None:
+            rows = self._checked[device] = torch.zeros(64, 2, dtype=torch.int64, device=device)
+        checked = rows[bucket % 64]  # read (stream-ordered) before the same row is written again
+
+        def work() -> None:
+            checked.zero_()
+            plan.zero_gaps(bucket, packed)
+            gather.launch(table.table, packed, checked)
+
+        self._graph_cache(plan, device).run(
+            (bucket, STAGING, packed.data_ptr(), packed.numel(), checked.data_ptr()), work
+        )
         return checked
+
+    def _graph_cache(self, plan: Plan, device: torch.device) -> GraphCache:
+        cache = self._graphs.get(plan)
+        if cache is None:
+            capacity = min(256, 4 * len(plan.sizes) * (self.transport.num_slots + 1) + 4)
+            cache = self._graphs[plan] = GraphCache(device, capacity)
+        return cache
 
     def graph_counts(self) -> dict[str, int]:
         """How often packs ran eagerly, were captured and were replayed (all plans)."""
@@ -334,12 +468,5 @@ class BucketStreamer:
             self._fp_ring = torch.empty(64, dtype=torch.int64, pin_memory=True)
         return self._fp_ring[bucket % 64]
 
-    def _staging_buffer(self, size: int, device: torch.device) -> torch.Tensor:
-        buf = self._staging
-        if buf is None or buf.numel() < size or buf.device != device:
-            buf = self._staging = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
-            self._plans.drop_views(staging_only=True)
-        return buf[:size]
 
-
-__all__ = ["BucketStreamer", "PhaseTimer", "SlotPipeline", "SyncReport"]
+__all__ = ["BucketStreamer", "PhaseTimer", "SlotPipeline", "StagingBuffers", "SyncReport"]

@@ -167,6 +167,15 @@ class Sender:
         start = time.perf_counter()
         items = named if isinstance(named, list) else list(named)
         names, tensors = [n for n, _ in items], [t for _, t in items]
+        last = self._plans.named(names) if update_id is None and self._arena is None else None
+        if last is not None and self._begun is not None and self._begun[0] is last.layout:
+            # The layout the engine committed last, by names alone: shapes are checked bucket by bucket.
+            try:
+                return self._resync_once(lambda: self._push(last, tensors, None, lora, None, start, verify, check=True))
+            except Exception as exc:  # that update was aborted; if the layout changed, push the new one
+                if self._plans.find(names, tensors, self.bucket_bytes) is last:
+                    raise
+                log.info("the tensors' shapes or dtypes changed since the last push (%s); planning again", exc)
         plan = self._plans.find(names, tensors, self.bucket_bytes)
         return self._resync_once(lambda: self._push(plan, tensors, None, lora, update_id, start, verify), update_id)
 
@@ -240,7 +249,7 @@ class Sender:
         self.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _resync_once(self, push: Callable[[], SyncReport], requested: int | None) -> SyncReport:
+    def _resync_once(self, push: Callable[[], SyncReport], requested: int | None = None) -> SyncReport:
         """Run ``push``; if the engine says our next id is stale (it saw higher ids), resynchronise and retry once."""
         try:
             return push()
@@ -264,7 +273,9 @@ class Sender:
         update_id: int | None,
         start: float,
         verify: Probe | None,
+        check: bool = False,
     ) -> SyncReport:
+        """One update of ``plan``; ``check``: the tensors' shapes and dtypes are yet to be checked (``Plan.check``)."""
         if self._arena is not None and plan is not self._arena:
             raise TransportError(
                 f"this Sender's buffer is an arena for {len(self._arena.metas)} tensors; pushing other tensors "
@@ -291,7 +302,7 @@ class Sender:
             if batch is not None and begun == (plan.layout, manifest.kind, lora):
                 begin = BeginAgain(uid, plan.digest(manifest))
             pipe = SlotPipeline(transport.num_slots, self.link.submit, begin, transport.flush, timer, batch)
-            streamer.stream(plan, uid, pipe, tensors, source)
+            streamer.stream(plan, uid, pipe, tensors, source, check)
             if source is not None:
                 source.finish()
             ack = pipe.finish(Prepare(uid), Commit(uid, probe=verify))

@@ -13,7 +13,7 @@ import torch
 
 from colosync import transports
 from colosync.errors import FingerprintMismatchError, NonFiniteError, TransactionStateError
-from colosync.sync.landing import BOUNCE, SLOT, Fence, Plans, ViewKey
+from colosync.sync.landing import BOUNCE, SLOT, Fence, Plans, RowMirror, ViewKey
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.target import EngineTarget, ModelSpec, Staging
 from colosync.transports.shm import ShmSender
@@ -448,3 +448,34 @@ def test_gpu_checks_are_read_at_prepare(rigs, rig):
     receiver.handle(Prepare(3))
     receiver.handle(Commit(3))
     assert_equal(on_cpu(engine.tensors), good)
+
+
+@pytest.mark.parametrize("rig", GPU_RIGS)
+def test_gpu_verdicts_are_read_only_once_their_copy_to_the_host_is_done(rigs, rig, monkeypatch):
+    """The verdict rows reach pinned memory on a stream of their own (``RowMirror``). Here that stream
+    is held up ~50 ms before each copy: a ``prepare`` that read the host rows without waiting for it
+    would see the previous update's rows, refuse a good update and miss an Inf."""
+    real = RowMirror.copy
+
+    def late(self, dst, src):
+        if self._stream is None:
+            self._stream, self._done = torch.cuda.Stream(self.device), torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            torch.cuda._sleep(100_000_000)
+        real(self, dst, src)
+
+    monkeypatch.setattr(RowMirror, "copy", late)
+    kind, lend = rig
+    engine, receiver, transport = rigs(lend, device="cuda", transport=kind)
+    m = manifest(1, MIXED, bucket_bytes=192)
+    assert len(m.bucket_sizes) >= 2
+    for uid, seed in ((1, 30), (2, 31), (3, 32)):  # new values each time: stale rows cannot match
+        want = values(seed, MIXED)
+        push(receiver, transport, manifest(uid, None, layout=m.layout), want)
+        assert_equal(on_cpu(engine.tensors), want)
+    assert receiver._lander.mirror._stream is not None  # the rows really went through the mirror
+    bad = values(33, MIXED)
+    bad["d"][4] = float("inf")
+    with pytest.raises(NonFiniteError):
+        push(receiver, transport, manifest(4, None, layout=m.layout), bad)
+    assert receiver.committed_update_id == 3

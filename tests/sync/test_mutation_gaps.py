@@ -287,7 +287,7 @@ def test_a_bucket_that_is_one_tensor_is_sent_from_its_own_bytes_even_when_larger
             assert sender.transport.slot_bytes == 1 << 16
             report = sender.push([("big", big), ("small", small)])
             assert report.buckets == 2 and torch.equal(engine.tensors["big"], big)
-            assert sender._streamer._staging is None  # (the streamer's staging buffer: none was needed)
+            assert sender._streamer._staging.tensors == []  # (the streamer's staging buffers: none was needed)
     finally:
         receiver.close()
 
@@ -527,13 +527,13 @@ def test_the_senders_staging_buffer_is_made_once_and_reused_by_later_buckets_and
         with Sender(link, transport="shm", bucket_bytes=1 << 20) as sender:
             sender.push([("s", torch.randn(64))])  # the first update sizes the slots: 64 KiB
             assert sender.transport.slot_bytes == 1 << 16
-            assert sender._streamer._staging is None  # (the streamer's staging buffer: not needed yet)
+            assert sender._streamer._staging.tensors == []  # (the streamer's staging buffers: not needed yet)
             sender.push(big)
-            staging = sender._streamer._staging
-            assert staging is not None and staging.numel() >= 12 * (1 << 14)
+            (staging,) = sender._streamer._staging.tensors  # on the CPU, one buffer: its copies are in order
+            assert staging.numel() >= 12 * (1 << 14)
             again = [(n, t + 1) for n, t in big]
             sender.push(again)
-            assert sender._streamer._staging is staging
+            assert len(sender._streamer._staging.tensors) == 1 and sender._streamer._staging.tensors[0] is staging
             for name, t in again:
                 assert torch.equal(engine.tensors[name], t)
     finally:

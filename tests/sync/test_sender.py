@@ -76,6 +76,30 @@ def test_a_repeated_push_finds_its_plan_and_any_change_of_shape_dtype_or_name_ma
     assert plans.find(names, resized, 1 << 20) is not first
 
 
+def test_tensors_that_changed_shape_or_dtype_under_the_same_names_are_planned_again(sink, caplog):
+    """A push with the last plan's names checks shapes bucket by bucket, after earlier buckets went out:
+    a changed later bucket aborts that update and the next id carries the new layout, whole."""
+    engine, link = sink
+    with Sender(link, transport="shm", bucket_bytes=4096, slots=2) as sender:
+        a, b = torch.randn(600), torch.randn(600)  # 2400 bytes each: one bucket each, b's second
+        sender.push([("a", a), ("b", b)])
+        first = sender._plans.last
+        assert len(first.sizes) == 2
+        b.data = torch.randn(700)  # the same tensor object under the same name, a new shape
+        with caplog.at_level(logging.INFO, logger="colosync.sync.sender"):
+            report = sender.push([("a", a), ("b", b)])
+        assert "changed shape or dtype" in caplog.text and "planning again" in caplog.text
+        assert report.update_id == 3  # update 2 began, sent bucket 0, and was aborted at bucket 1
+        assert sender._plans.last is not first and sender._plans.last.shapes == [(600,), (700,)]
+        assert torch.equal(engine.tensors["a"], a) and torch.equal(engine.tensors["b"], b)
+        b.data = b.data.double()  # dtype only
+        sender.push([("a", a), ("b", b)])
+        assert engine.tensors["b"].dtype == torch.float64 and torch.equal(engine.tensors["b"], b)
+        b.data = torch.randn(650)
+        assert sender.push([("a", a), ("b", b)], update_id=20).update_id == 20  # a chosen id is planned up front
+        assert torch.equal(engine.tensors["b"], b)
+
+
 def test_transport_is_no_bigger_than_the_first_update_needs(sink):
     _, link = sink
     with Sender(link, transport="shm", bucket_bytes=64 << 20, slots=2) as sender:

@@ -174,6 +174,38 @@ def test_new_source_storage_lands_after_replays(sink):
 
 
 @pytest.mark.gpu
+def test_the_gather_into_the_staging_buffer_replays_and_follows_a_new_staging_buffer(sink):
+    """Over shm a GPU bucket is gathered into a staging buffer before its chunks go to host memory; that
+    launch replays as a graph keyed on the staging buffer. A bigger layout replaces the buffer; back on
+    the first layout, a graph of the old buffer must not replay (it would pack into freed memory and the
+    engine would serve, or refuse, stale bytes)."""
+    with Sender(sink.connect(), transport="shm", bucket_bytes=1 << 20) as sender:
+        small, big = named(40), named(41, n=200)
+        for _ in range(4):
+            with torch.no_grad():
+                small[0][1].add_(1)  # new values each push, in place
+            report = sender.push(small)
+            assert report.buckets >= 1
+            assert_served(sink, small)
+        assert sender._streamer.graph_counts()["replay"] >= report.buckets  # the gather really replays
+        old = sender._streamer._staging.tensors[0].data_ptr()
+        sender.bucket_bytes = 4 << 20  # a new layout planned with bigger buckets: a bigger staging buffer
+        sender.push(big)
+        assert_served(sink, big)
+        assert sender._streamer._staging.tensors[0].data_ptr() != old
+        for seed in (42, 43, 44):  # new storage too: the gather table is rebound, the graph not re-keyed
+            small = named(seed)
+            sender.push(small)
+            assert_served(sink, small)
+        committed = sink.call(Digest()).update_id
+        with torch.no_grad():
+            small[2][1][0, 0] = float("nan")
+        with pytest.raises(NonFiniteError):
+            sender.push(small)
+        assert sink.call(Digest()).update_id == committed
+
+
+@pytest.mark.gpu
 def test_a_new_layout_and_back(sink):
     with Sender(sink.connect(), transport="cuda_ipc", bucket_bytes=64 << 10) as sender:
         a, b = named(3), named(4, n=9)

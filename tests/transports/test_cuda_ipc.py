@@ -136,6 +136,26 @@ def test_shm_on_gpu_carries_buckets_across_chunk_boundaries(sink, monkeypatch):
             assert_served(sink, named)
 
 
+def test_shm_on_gpu_copies_a_bucket_out_only_once_it_is_packed(sink):
+    """Over shm, buckets are packed on the trainer's stream and copied to host memory on another, from two
+    staging buffers in turn. The trainer's stream is kept busy before each push, so the pack runs late: a
+    copy that did not wait for it would send the previous push's bytes (and the engine would refuse them)."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    named = [(f"t{i}", torch.randn(512, 1024, device="cuda", generator=g)) for i in range(40)]  # 2 MiB each
+    with Sender(sink.connect(), transport="shm", bucket_bytes=16 << 20) as sender:
+        sender.push(named)
+        assert_served(sink, named)
+        streamer = sender._streamer
+        assert sender.push(named).buckets >= 4 and len(streamer._staging.tensors) == 2  # both buffers in turn
+        for step in range(3):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on this stream, queued, not waited for
+            with torch.no_grad():
+                for _, t in named:
+                    t.add_(step + 1)  # the new values exist only once the sleep is over
+            sender.push(named)
+            assert_served(sink, named)
+
+
 def test_arena_updates_need_no_packing(sink):
     named = named_tensors(3)
     with Sender(sink.connect(), transport="cuda_ipc") as sender:
