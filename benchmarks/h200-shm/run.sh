@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 8 on the H200, one device call: OUT=<dir> bash benchmarks/h200-shm/run.sh [STEP...]
-#   ab       seed-lora over shm, the tree in .ab/old (the commit before a change) and this tree, alternated
+#   ab       seed-lora over shm, the tree in .ab/old (the commit before a change) and this tree, alternated PAIRS (2) times
 #   trace    seed-lora over shm with both processes traced (../h200-latency/trace), timeline in $OUT
 # .ab/old is made here before the call: rm -rf .ab && mkdir -p .ab/old && git archive <commit> colosync | tar -x -C .ab/old
 set -u
@@ -16,7 +16,7 @@ steps=${*:-ab trace}
 for what in $steps; do
   case $what in
   ab)
-    for v in old new old new; do
+    for v in $(for _ in $(seq ${PAIRS:-2}); do echo old new; done); do
       echo "=== shm: $v ($(date -u +%T))"
       if [ $v = old ]; then (cd .ab/old && PYTHONPATH=$SITE:$PWD shm); else shm; fi
     done 2>&1 | tee -a "$OUT/ab.log" ;;

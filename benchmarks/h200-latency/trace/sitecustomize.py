@@ -108,6 +108,9 @@ if os.environ.get("COLOSYNC_TRACE_DIR"):
         _wrap(torch.cuda.CUDAGraph, "replay", "X.cuda_graph_replay")
         _wrap(pipeline.BucketStreamer, "_gather", "T.gather_staging")
         _wrap(plan.Plans, "find", "T.plans_find")
+        if hasattr(plan, "LayoutChanged"):  # session 9 on: the plan by names, each bucket checked
+            _wrap(plan.Plans, "named", "T.plans_named")
+            _wrap(plan.Plan, "check", "T.plan_check")
         gather = m("colosync.wire.gather")
         _wrap(gather.GatherTable, "bind", "T.gather_bind")
 
