@@ -89,7 +89,7 @@ def test_tensors_that_changed_shape_or_dtype_under_the_same_names_are_planned_ag
         with caplog.at_level(logging.INFO, logger="colosync.sync.sender"):
             report = sender.push([("a", a), ("b", b)])
         assert "changed shape or dtype" in caplog.text and "planning again" in caplog.text
-        assert report.update_id == 3  # update 2 began, sent bucket 0, and was aborted at bucket 1
+        assert report.update_id == 3  # update 2 began and packed bucket 0, and was aborted at bucket 1's check
         assert sender._plans.last is not first and sender._plans.last.shapes == [(600,), (700,)]
         assert torch.equal(engine.tensors["a"], a) and torch.equal(engine.tensors["b"], b)
         b.data = b.data.double()  # dtype only
