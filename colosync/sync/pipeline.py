@@ -245,7 +245,7 @@ class BucketStreamer:
         self._device_fp = transport.fingerprint_cell(0) is not None
         # Graphs of the pack, per plan (straight into a slot, or the gather into the staging buffer): a graph
         # names the plan's memory (padding index, gather table, views), so it lives and dies with the plan.
-        self._graphs: weakref.WeakKeyDictionary[Plan, GraphCache] = weakref.WeakKeyDictionary()
+        self._graphs: weakref.WeakKeyDictionary[Plan, dict[torch.device, GraphCache]] = weakref.WeakKeyDictionary()
         self._checked: dict[torch.device, torch.Tensor] = {}  # per device, a [fingerprint, 0] row per bucket mod 64
 
     def stream(
@@ -298,13 +298,15 @@ class BucketStreamer:
                 packed = self._staging.buffer(staged, size, device)
                 checked = self._gather(plan, bucket, packed, srcs)  # packed and fingerprinted in one pass
                 if checked is None:
-                    plan.pack(ViewKey(bucket, STAGING), packed, srcs)
+                    plan.pack(ViewKey(bucket, STAGING - staged), packed, srcs)  # views per buffer
             # One pass for the fingerprint -- fused with the copy into the slot where there is one copy.
             fuse = not direct and 0 < size <= slot_bytes and packed.is_cuda and packed.device == slot_device
             if size and not fuse and cell is None and checked is None:
                 checked = fused.copy_check(packed, None, None)
             timer.add("pack", t)
             copier = self._staging.copier(device) if to_host and packed.is_cuda else None  # None: current stream
+            if copier is not None and checked is not None:
+                checked.record_stream(copier)  # the copier reads the fingerprint: not reused before it has
             for offset in range(0, max(size, 1), slot_bytes):
                 nbytes = min(slot_bytes, size - offset)
                 last = offset + slot_bytes >= size  # the bucket's last chunk carries its fingerprint
@@ -406,18 +408,22 @@ class BucketStreamer:
         return checked
 
     def _graph_cache(self, plan: Plan, device: torch.device) -> GraphCache:
-        cache = self._graphs.get(plan)
-        if cache is None:
+        caches = self._graphs.get(plan)
+        if caches is None:
+            caches = self._graphs[plan] = {}
+        cache = caches.get(device)
+        if cache is None:  # a graph is captured and replayed on one device
             capacity = min(256, 4 * len(plan.sizes) * (self.transport.num_slots + 1) + 4)
-            cache = self._graphs[plan] = GraphCache(device, capacity)
+            cache = caches[device] = GraphCache(device, capacity)
         return cache
 
     def graph_counts(self) -> dict[str, int]:
         """How often packs ran eagerly, were captured and were replayed (all plans)."""
         total = {"eager": 0, "capture": 0, "replay": 0}
-        for cache in self._graphs.values():
-            for k, v in cache.counts.items():
-                total[k] += v
+        for caches in self._graphs.values():
+            for cache in caches.values():
+                for k, v in cache.counts.items():
+                    total[k] += v
         return total
 
     def _fp_slot(self, bucket: int) -> torch.Tensor:

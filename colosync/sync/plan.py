@@ -25,7 +25,8 @@ from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest,
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 STAGING = -1
-"""``ViewKey.slot`` of the Sender's staging buffer (a bucket that cannot be packed into a slot)."""
+"""``ViewKey.slot`` of the Sender's first staging buffer (a bucket that cannot be packed into a slot); ``STAGING - 1``
+is its second (``sync.pipeline.StagingBuffers``)."""
 
 
 class LayoutChanged(Exception):
@@ -135,7 +136,7 @@ class Plan:
     def drop_views(self, staging_only: bool = False) -> None:
         """Forget the views of buffers that were replaced or freed: the staging buffer's, or all (and the arena)."""
         if staging_only:
-            for key in [k for k in self._views if k.slot == STAGING]:
+            for key in [k for k in self._views if k.slot <= STAGING]:
                 del self._views[key]
             return
         self._views.clear()

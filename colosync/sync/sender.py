@@ -30,10 +30,11 @@ from colosync.errors import (
     TransportError,
     TransportUnavailable,
     UnknownLayoutError,
+    UpdateRejected,
 )
 from colosync.sync.link import Link
 from colosync.sync.pipeline import BucketStreamer, PhaseTimer, SlotPipeline, SyncReport
-from colosync.sync.plan import Plan, Plans, StreamSource
+from colosync.sync.plan import LayoutChanged, Plan, Plans, StreamSource
 from colosync.wire.bucket import TensorSpec, typed_views
 from colosync.wire.manifest import Layout, LoraSpec, align_up
 from colosync.wire.protocol import Abort, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
@@ -172,7 +173,7 @@ class Sender:
             # The layout the engine committed last, by names alone: shapes are checked bucket by bucket.
             try:
                 return self._resync_once(lambda: self._push(last, tensors, None, lora, None, start, verify, check=True))
-            except Exception as exc:  # that update was aborted; if the layout changed, push the new one
+            except (LayoutChanged, UpdateRejected) as exc:  # aborted; the engine may have refused the old layout
                 if self._plans.find(names, tensors, self.bucket_bytes) is last:
                     raise
                 log.info("the tensors' shapes or dtypes changed since the last push (%s); planning again", exc)

@@ -156,6 +156,36 @@ def test_shm_on_gpu_copies_a_bucket_out_only_once_it_is_packed(sink):
             assert_served(sink, named)
 
 
+def test_shm_on_gpu_fingerprints_of_single_tensor_buckets_in_a_row_stay_their_own(sink):
+    """A bucket that is one tensor is fingerprinted into a fresh result on the trainer's stream and read on the
+    copy stream behind the bucket's chunks; the next bucket's result must not take its memory before then."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    named = [(f"w{i}", torch.randn(6 << 20, device="cuda", generator=g)) for i in range(4)]  # 24 MiB each
+    with Sender(sink.connect(), transport="shm", bucket_bytes=16 << 20) as sender:
+        for step in range(5):
+            with torch.no_grad():
+                for _, t in named:
+                    t.add_(step)
+            assert sender.push(named).buckets == 4  # each tensor its own bucket, sent from its own bytes
+            assert_served(sink, named)
+        assert sender._streamer._staging.tensors == []
+
+
+def test_shm_staging_views_follow_their_buffer_when_a_bucket_moves_between_devices(sink):
+    """Bucket 1 is packed into the second staging buffer from a GPU and into the first from the CPU; its cached
+    views must belong to the buffer it is packed into now, or the GPU push would ship the older bytes."""
+    g = torch.Generator().manual_seed(13)
+    host = [("big", torch.randn(1 << 18, generator=g))]  # 1 MiB: a bucket of its own, sent from its own bytes
+    host += [(f"t{i}", torch.randn(101, 333, generator=g).to(torch.bfloat16)) for i in range(4)]  # odd sizes
+    with Sender(sink.connect(), transport="shm", bucket_bytes=512 << 10) as sender:
+        sender.push([("s", torch.randn(64))])  # the first update sizes the slots: 64 KiB, less than a bucket
+        for step, device in enumerate(["cuda", "cpu", "cuda"]):
+            named = [(n, (t + step).to(device)) for n, t in host]
+            assert sender.push(named).buckets == 2
+            assert_served(sink, named)
+        assert [t.device.type for t in sender._streamer._staging.tensors] == ["cpu", "cuda"]
+
+
 def test_arena_updates_need_no_packing(sink):
     named = named_tensors(3)
     with Sender(sink.connect(), transport="cuda_ipc") as sender:
