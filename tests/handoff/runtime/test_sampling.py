@@ -44,8 +44,9 @@ def test_status_sampling_counts_the_arena_once_and_agrees_with_the_page_walk():
             assert abs(fast.by_pid[proc.pid] - (walk.by_pid[proc.pid] - half)) < 8 * MiB, (fast, walk)
             assert fast.by_pid[proc.pid] >= 48 * MiB
             assert abs(self_sampled - fast.by_pid[proc.pid]) < 8 * MiB
-            # counted once: summing what each process maps counts the arena twice, once too many
-            assert abs((naive.value - fast.value) - arena.mapped_bytes) < 8 * MiB, (naive, fast)
+            # counted once: summing what each process maps counts the arena twice, once too many (the shared
+            # part only: the test process's own anon memory moves between two samples, by 37 MB once in CI)
+            assert abs((naive.shmem - fast.shmem) - arena.mapped_bytes) < 8 * MiB, (naive, fast)
             assert fast.by_pid[os.getpid()] >= arena.mapped_bytes  # to the controller
         finally:
             parent.send(None)
