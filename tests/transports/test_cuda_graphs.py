@@ -116,6 +116,16 @@ def assert_served(engine, tensors: list[tuple[str, torch.Tensor]]) -> None:
     assert served_digests(engine) == want
 
 
+def assert_nan_refused(engine, sender, tensors, index: int, where: tuple[int, int]) -> None:
+    """A NaN put into ``tensors[index]`` at ``where`` fails the push, and the engine keeps what it served."""
+    committed = engine.call(Digest()).update_id
+    with torch.no_grad():
+        tensors[index][1][where] = float("nan")
+    with pytest.raises(NonFiniteError):
+        sender.push(tensors)
+    assert engine.call(Digest()).update_id == committed
+
+
 class RelendingSink(SinkEngine):
     """A sink that can lend fresh storage (``relend``), or tensors only (``flat=False``).
 
@@ -197,12 +207,7 @@ def test_the_gather_into_the_staging_buffer_replays_and_follows_a_new_staging_bu
             small = named(seed)
             sender.push(small)
             assert_served(sink, small)
-        committed = sink.call(Digest()).update_id
-        with torch.no_grad():
-            small[2][1][0, 0] = float("nan")
-        with pytest.raises(NonFiniteError):
-            sender.push(small)
-        assert sink.call(Digest()).update_id == committed
+        assert_nan_refused(sink, sender, small, 2, (0, 0))
 
 
 @pytest.mark.gpu
@@ -247,12 +252,7 @@ def test_nan_is_caught_under_replay_end_to_end(sink):
         for _ in range(5):
             sender.push(tensors)
         assert sender._streamer.graph_counts()["replay"] >= 3
-        committed = sink.call(Digest()).update_id
-        with torch.no_grad():
-            tensors[3][1][2, 7] = float("nan")
-        with pytest.raises(NonFiniteError):
-            sender.push(tensors)
-        assert sink.call(Digest()).update_id == committed
+        assert_nan_refused(sink, sender, tensors, 3, (2, 7))
 
 
 @pytest.mark.gpu
