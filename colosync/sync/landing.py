@@ -41,10 +41,12 @@ Why it is built this way:
   new layout is new work, never a stale replay; the graphs live on the layout's bucket plans
   and are dropped when a new transport attaches. The result rows are kept per layout for
   the same reason: the same memory update after update.
-- Where the transport orders the device for us (``cuda_ipc``: the stream waits on the
-  sender's interprocess event, ``ReceiverTransport.ready``), the sender's fingerprint comes
-  in device memory rather than in the Stage; it is copied into the bucket's result row on
-  the stream, the cell zeroed, and compared with the rest at ``prepare``.
+- Where the transport seals the sender's writes (``cuda_ipc``: the stream waits on the
+  sender's interprocess event; ``shm``: the host waits for a seal written behind the copy,
+  ``ReceiverTransport.ready``), the sender's fingerprint comes with the seal rather than in
+  the Stage. In device memory (``cuda_ipc``) it is copied into the bucket's result row on the
+  stream, the cell zeroed, and compared with the rest at ``prepare``; in host memory
+  (``shm``) it is read at once, as if it had come in the Stage.
 - The ``Fence`` is what lets the sender reuse a slot: with two or more slots a Stage is
   acknowledged as soon as the previous Stage's copies have finished, so the copy of one chunk
   overlaps the arrival of the next (``transports.base`` says what an acknowledgement
@@ -390,9 +392,9 @@ class Landing(abc.ABC):
                 f"bucket {msg.bucket}: chunk [{msg.offset}, {msg.offset + msg.nbytes}) does not continue "
                 f"the {done} bytes received of {size}; chunks must arrive in order"
             )
-        transport.ready(msg.slot)  # this stream now waits for the sender's writes (no-op unless cuda_ipc)
+        transport.ready(msg)  # this stream now waits for the sender's writes (no-op unless the Stage is sealed)
         last = msg.offset + msg.nbytes == size
-        self._cell = transport.sent_fingerprint(msg.bucket) if last and msg.fingerprint is None else None
+        self._cell = transport.sent_fingerprint(msg) if last and msg.fingerprint is None else None
         if not msg.nbytes:
             return None
         return slot if msg.nbytes == slot.numel() else slot[: msg.nbytes]
@@ -406,7 +408,7 @@ class Landing(abc.ABC):
         sent = msg.fingerprint
         if not (last and self._fingerprints):
             cell = None
-        elif cell is not None and row is None:  # checked on the host: read the sender's fingerprint here
+        elif cell is not None and (row is None or not cell.is_cuda):  # checked or sent on the host: read it here
             sent = int(cell[0].item())  # (the current stream waits for the sender: ``admit``)
             cell.zero_()
             cell = None

@@ -181,6 +181,10 @@ class SlotPipeline:
         return stage
 
 
+def _on_gpu(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
+
+
 class StagingBuffers:
     """Where buckets that cannot be packed into a slot are packed, and the stream that copies them to host slots.
 
@@ -329,14 +333,20 @@ class BucketStreamer:
                                 cell.copy_(checked)
                     if last and cell is None:
                         fp = checked[0] if checked is not None else 0
-                        if isinstance(fp, torch.Tensor) and fp.is_cuda:
-                            fp = self._fp_slot(bucket).copy_(fp, non_blocking=True)
+                    seal = 0
                     if packed.is_cuda or to_cuda:
-                        device_ordered = transport.written(slot)  # the engine's stream waits for these writes
-                        if not device_ordered or isinstance(fp, torch.Tensor):
+                        on = packed.device if packed.is_cuda else slot_device
+                        # a fingerprint on the device goes with the seal, if the transport seals
+                        on_device = cell if cell is not None else checked if last and _on_gpu(fp) else None
+                        seal = transport.written(slot, on, on_device if last else None)  # the engine waits for it
+                        if seal and on_device is not None:
+                            fp = None
+                        elif _on_gpu(fp):
+                            fp = self._fp_slot(bucket).copy_(fp, non_blocking=True)
+                        if not seal or isinstance(fp, torch.Tensor):
                             fence = torch.cuda.Event()
-                            fence.record(torch.cuda.current_stream(packed.device if packed.is_cuda else slot_device))
-                pipe.put(Stage(uid, bucket, offset, nbytes, slot, None), fence, fp)
+                            fence.record(torch.cuda.current_stream(on))
+                pipe.put(Stage(uid, bucket, offset, nbytes, slot, None, seal), fence, fp)
             if copier is not None and staged is not None:
                 self._staging.copied(staged, copier)
         # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)

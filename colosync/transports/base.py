@@ -11,12 +11,14 @@ out of the slot has finished, so that copy overlaps the next one; the acknowledg
 ``Stage`` k then promises that the slots of every earlier ``Stage`` are free, and any other
 reply promises that all are. With one slot every acknowledgement frees its own slot.
 
-Ordering on the device: a transport whose slots the receiver reads on the same GPU can let
-the receiver's stream wait for the sender's writes (``SenderTransport.written`` then returns
-True and ``ReceiverTransport.ready`` makes the wait), so the sender sends a ``Stage`` without
-waiting on its host. Its fingerprint then travels in device memory too
-(``fingerprint_cell`` / ``sent_fingerprint``) instead of inside the ``Stage``. The
-acknowledgement rule above still decides when a slot may be written again.
+Ordering without the sender's host: a transport can seal a slot's writes on the sender's
+stream (``SenderTransport.written`` returns the seal, which travels in ``Stage.seal``) and
+have the receiver wait for that seal before it reads (``ReceiverTransport.ready``), so the
+sender sends a ``Stage`` without waiting for its device. ``cuda_ipc`` seals with an
+interprocess CUDA event; ``shm`` with a number its copy stream writes next to the slots, in
+host memory. The fingerprint then travels with the seal (``fingerprint_cell`` /
+``sent_fingerprint``) instead of inside the ``Stage``. The acknowledgement rule above still
+decides when a slot may be written again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+
+from colosync.wire.protocol import Stage
 
 
 class SenderTransport(ABC):
@@ -76,12 +80,15 @@ class SenderTransport(ABC):
     def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
 
-    def written(self, index: int) -> bool:
-        """Writes into slot ``index`` are queued on the current stream; True if the receiver's device waits for them.
+    def written(self, index: int, device: torch.device, fingerprint: torch.Tensor | None = None) -> int:
+        """Writes into slot ``index`` are queued on ``device``'s current stream: the seal the receiver waits for.
 
-        False (the default): the sender must wait for them on its host before sending the Stage.
+        0 (the default): no seal; the sender must wait for the writes on its host before sending
+        the Stage. ``fingerprint``: on a bucket's last chunk, its ``[fingerprint, ...]`` int64 row
+        on the device, written on the same stream before this call (the ``fingerprint_cell``
+        where the transport has one). A transport that seals sends it with the seal.
         """
-        return False
+        return 0
 
     def fingerprint_cell(self, bucket: int) -> torch.Tensor | None:
         """Where to put bucket ``bucket``'s ``[fingerprint, flag]`` (int64 pair, on the device) for the receiver.
@@ -114,13 +121,14 @@ class ReceiverTransport(ABC):
         """How many slots the sender cycles through (2+ lets the receiver acknowledge early)."""
         return 1
 
-    def ready(self, index: int) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Order this process's current stream after the sender's writes into slot ``index``."""
+    def ready(self, stage: Stage) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Order this process's current stream after the sender's writes for ``stage`` (its ``seal``)."""
 
-    def sent_fingerprint(self, bucket: int) -> torch.Tensor | None:
-        """The int64 pair in device memory the sender wrote bucket ``bucket``'s fingerprint to (first element).
+    def sent_fingerprint(self, stage: Stage) -> torch.Tensor | None:
+        """The int64 pair the sender's fingerprint of ``stage``'s bucket came in (first element), after ``ready``.
 
-        ``None`` (the default): fingerprints travel in the Stage. The receiver zeroes it once read.
+        In device memory (taken into the device's check on its stream) or host memory (read at
+        once). ``None`` (the default): fingerprints travel in the Stage. The receiver zeroes it once read.
         """
         return None
 

@@ -44,6 +44,7 @@ import torch
 
 from colosync.errors import TransportError
 from colosync.transports.base import ReceiverTransport, SenderTransport
+from colosync.wire.protocol import Stage
 
 log = logging.getLogger(__name__)
 
@@ -377,11 +378,11 @@ class CudaIpcSender(SenderTransport):
     def slot(self, index: int) -> torch.Tensor:
         return self._views[index]
 
-    def written(self, index: int) -> bool:
+    def written(self, index: int, device: torch.device, fingerprint: torch.Tensor | None = None) -> int:
         if not self._events:
-            return False
+            return 0
         self._events[index].record(torch.cuda.current_stream(self._index))
-        return True
+        return 1  # the slot's event is the seal; the fingerprint is already in the shared cell
 
     def fingerprint_cell(self, bucket: int) -> torch.Tensor | None:
         cells = self._cells
@@ -436,9 +437,10 @@ class CudaIpcReceiver(ReceiverTransport):
     def slot(self, index: int) -> torch.Tensor:
         return self._views[index]
 
-    def ready(self, index: int) -> None:
-        if not self._events:
+    def ready(self, stage: Stage) -> None:
+        if not self._events or not stage.seal:
             return
+        index = stage.slot
         event = self._events[index]
         if not self._host_wait:
             event.wait(torch.cuda.current_stream(self._index))
@@ -455,9 +457,9 @@ class CudaIpcReceiver(ReceiverTransport):
                     "the sender died or hung mid-update (its GPU work never completed)"
                 )
 
-    def sent_fingerprint(self, bucket: int) -> torch.Tensor | None:
+    def sent_fingerprint(self, stage: Stage) -> torch.Tensor | None:
         cells = self._cells
-        return cells[bucket % cells.shape[0]] if cells is not None else None
+        return cells[stage.bucket % cells.shape[0]] if cells is not None and stage.seal else None
 
     @property
     def num_slots(self) -> int:

@@ -69,6 +69,10 @@ class Stage(msgspec.Struct, tag="stage", frozen=True):
 
     The last chunk of a bucket carries the bucket's fingerprint, computed by the sender where
     the bytes were packed; the receiver checks it once the whole bucket has arrived.
+    ``seal`` (nonzero) says the bytes may still be on their way: the sender queued them on a
+    device stream and sent the Stage without waiting, and the receiver's transport waits for
+    this seal before it reads the slot (``ReceiverTransport.ready``). The fingerprint then
+    travels with the seal, not in the Stage.
     """
 
     update_id: UpdateId
@@ -77,6 +81,7 @@ class Stage(msgspec.Struct, tag="stage", frozen=True):
     nbytes: Index
     slot: Index
     fingerprint: Fingerprint | None = None
+    seal: Index = 0
 
     def __post_init__(self) -> None:
         if min(self.bucket, self.offset, self.nbytes, self.slot) < 0:

@@ -89,3 +89,10 @@ def test_sender_killed_at(fault_engine, transport, point, may_commit, must_commi
 @pytest.mark.parametrize("point, may_commit, must_commit", POINTS, ids=[p for p, _, _ in POINTS])
 def test_sender_killed_at_on_the_gpu_through_cuda_ipc(fault_engine_cuda, point, may_commit, must_commit):
     kill_at(fault_engine_cuda, "cuda_ipc", "cuda", point, may_commit, must_commit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("point, may_commit, must_commit", POINTS, ids=[p for p, _, _ in POINTS])
+def test_sender_killed_at_on_the_gpu_through_shm(fault_engine_cuda, point, may_commit, must_commit):
+    """Over shm from a GPU the Stages go out sealed: the engine may be waiting for a dead sender's seal."""
+    kill_at(fault_engine_cuda, "shm", "cuda", point, may_commit, must_commit)

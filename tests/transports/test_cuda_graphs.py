@@ -283,9 +283,9 @@ def test_fingerprint_and_nan_checks_under_replayed_landing():
             fused.copy_check(slot, None, None, out=cell)  # the sender's fingerprint, on the device
             if uid == 7:
                 cell[0] += 1  # corrupted in transit
-            transport.written(0)
+            seal = transport.written(0, torch.device("cuda"), cell)
             link.submit(Begin(UpdateManifest(uid, "full", layout))).wait()
-            link.submit(Stage(uid, 0, 0, size, 0, None)).wait()  # no fingerprint in the Stage: it is in the cell
+            link.submit(Stage(uid, 0, 0, size, 0, None, seal)).wait()  # no fingerprint in the Stage: in the cell
             if bad:
                 error = FingerprintMismatchError if uid == 7 else NonFiniteError
                 with pytest.raises(error):
@@ -299,7 +299,7 @@ def test_fingerprint_and_nan_checks_under_replayed_landing():
         assert receiver._lander.plans.graph_counts()["replay"] >= 5
         # a sender that writes no fingerprint after one that did: the zeroed cell fails closed
         link.submit(Begin(UpdateManifest(20, "full", layout))).wait()
-        link.submit(Stage(20, 0, 0, size, 0, None)).wait()
+        link.submit(Stage(20, 0, 0, size, 0, None, transport.written(0, torch.device("cuda")))).wait()
         with pytest.raises(FingerprintMismatchError):
             link.submit(Prepare(20)).wait()
     finally:

@@ -186,6 +186,46 @@ def test_shm_staging_views_follow_their_buffer_when_a_bucket_moves_between_devic
         assert [t.device.type for t in sender._streamer._staging.tensors] == ["cpu", "cuda"]
 
 
+class _StagesSeen(LocalLink):
+    """A LocalLink that notes each Stage it carries."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        super().__init__(receiver)
+        self.stages: list[Stage] = []
+
+    def submit(self, request):
+        if isinstance(request, Stage):
+            self.stages.append(request)
+        return super().submit(request)
+
+
+def test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal():
+    """Over shm from a GPU every Stage goes out sealed, its fingerprint with the seal: with the trainer's
+    stream held up, an engine that read a slot before its seal landed would take the bytes (and the
+    fingerprint) of the push before, and fail it or commit stale weights."""
+    engine = SinkEngine("cuda")
+    receiver = Receiver(engine, "cuda")
+    link = _StagesSeen(receiver)
+    g = torch.Generator(device="cuda").manual_seed(14)
+    named = [(f"t{i}", torch.randn(512, 1024, device="cuda", generator=g)) for i in range(24)]  # 2 MiB each
+    try:
+        with Sender(link, transport="shm", bucket_bytes=16 << 20) as sender:
+            for step in range(3):
+                link.stages.clear()
+                torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on this stream, queued, not waited for
+                with torch.no_grad():
+                    for _, t in named:
+                        t.add_(step + 1)  # the new values exist only once the sleep is over
+                sender.push(named)
+                for name, t in named:
+                    assert torch.equal(engine.tensors[name], t), (step, name)
+                seals = [stage.seal for stage in link.stages]
+                assert len(seals) >= 3 and all(seals) and seals == sorted(set(seals)), seals  # fresh, growing
+                assert all(stage.fingerprint is None for stage in link.stages)  # they came with the seals
+    finally:
+        receiver.close()
+
+
 def test_arena_updates_need_no_packing(sink):
     named = named_tensors(3)
     with Sender(sink.connect(), transport="cuda_ipc") as sender:

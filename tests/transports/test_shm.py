@@ -1,12 +1,24 @@
-"""``shm`` specifics beyond the shared contract: the segment's name never outlives its sender."""
+"""``shm`` specifics beyond the shared contract: the segment's name never outlives its sender; seals."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
-from colosync.transports.shm import ShmSender
+import colosync
+from colosync.errors import TransportError
+from colosync.transports import shm
+from colosync.transports.shm import ShmReceiver, ShmSender
+from colosync.wire.protocol import Stage
+
+_MAKE = "import torch; from colosync.transports.shm import ShmSender; s = ShmSender(1 << 16, 2, torch.device('cpu'))"
 
 
 def test_a_sender_closed_before_any_receiver_attached_unlinks_its_segment():
@@ -16,3 +28,78 @@ def test_a_sender_closed_before_any_receiver_attached_unlinks_its_segment():
     sender.close()
     assert name not in os.listdir("/dev/shm")
     sender.close()  # idempotent
+
+
+# -- seals: the receiver waits for the sender's copy without the sender's host (see colosync.transports.shm).
+# On a GPU the sender's copy stream writes the seal behind each chunk (tests/transports/test_cuda_ipc.py);
+# here it is written by hand, as that stream would, to test the receiver's side on any host.
+
+
+def _pair(slots: int = 2) -> tuple[ShmSender, ShmReceiver]:
+    sender = ShmSender(1 << 16, slots, torch.device("cpu"))
+    return sender, ShmReceiver.open(sender.handle(), torch.device("cpu"))
+
+
+def test_a_receiver_reads_a_sealed_slot_only_once_its_seal_and_fingerprint_are_there():
+    sender, receiver = _pair()
+    try:
+        sender._seals[1] = torch.tensor([42, 6])  # an earlier chunk's seal in the same slot
+        stage = Stage(3, 0, 0, 100, 1, None, 7)
+        landed = threading.Timer(0.2, sender._seals[1].copy_, (torch.tensor([-5, 7]),))
+        start = time.monotonic()
+        landed.start()
+        receiver.ready(stage)
+        assert time.monotonic() - start >= 0.19  # the older seal 6 did not pass for 7
+        assert receiver.sent_fingerprint(stage).tolist() == [-5, 7]
+        assert receiver.sent_fingerprint(Stage(3, 0, 0, 100, 1, 123)) is None  # unsealed: in the Stage
+        receiver.ready(Stage(3, 0, 0, 100, 0, None))  # unsealed: nothing to wait for
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_seal_that_never_comes_from_a_live_sender_is_refused_after_the_timeout(monkeypatch):
+    monkeypatch.setattr(shm, "WAIT_TIMEOUT_S", 0.2)
+    sender, receiver = _pair()
+    try:
+        with pytest.raises(TransportError, match="did not finish within"):
+            receiver.ready(Stage(3, 0, 0, 100, 0, None, 1))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_receiver_waiting_for_a_seal_learns_at_once_that_its_sender_was_killed():
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _MAKE + "; import sys; sys.stdout.buffer.write(s.handle().hex().encode() + b'\\n');"
+            " sys.stdout.flush(); import time; time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(Path(colosync.__file__).parents[1])),
+    )
+    receiver = None
+    try:
+        assert child.stdout is not None
+        receiver = ShmReceiver.open(bytes.fromhex(child.stdout.readline().decode()), torch.device("cpu"))
+        waiting = threading.Timer(0.3, child.kill)  # SIGKILL while the receiver waits for slot 1's seal
+        waiting.start()
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="sender died before its copy into shm slot 1"):
+            receiver.ready(Stage(3, 0, 0, 100, 1, None, 1))
+        assert time.monotonic() - start < 2.0  # not the 30 s timeout
+    finally:
+        child.kill()
+        child.wait()
+        if receiver is not None:
+            receiver.close()
+
+
+def test_seal_numbers_are_copied_from_a_table_that_follows_them_across_refills():
+    """(On a GPU the table is in device memory, so that a seal is a copy, never a kernel, behind its chunk.)"""
+    numbers = shm.SealNumbers(torch.device("cpu"))
+    for number in [1, 2, 3, shm.SEAL_NUMBERS, shm.SEAL_NUMBERS + 1, shm.SEAL_NUMBERS + 2, 3 * shm.SEAL_NUMBERS + 7]:
+        row = numbers.row(number)
+        assert row.tolist() == [number]
