@@ -10,21 +10,13 @@
 set -u
 OUT=${OUT:?}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${SITE:-/tmp/site}:$PWD
-mutant() {  # NAME FILE SED TEST: run TEST with SED applied to FILE; a pass means the test misses the feature
-  local name=$1 file=$2 edit=$3 test=$4
-  cp "$file" /tmp/mutant.bak && sed -i "$edit" "$file"
-  if cmp -s "$file" /tmp/mutant.bak; then echo "$name: the edit changed nothing"; else
-    timeout 120 python3 -m pytest -q -m gpu -o addopts='' -p no:cacheprovider -x "$test" 2>&1 | tail -n 3
-    echo "$name: pytest rc=${PIPESTATUS[0]} (non-zero: the test caught it)"
-  fi
-  cp /tmp/mutant.bak "$file"
-}
+. benchmarks/h200-s9/mutant.sh
 for what in ${*:-ab tests mutants}; do
   case $what in
   ab) PAIRS=${PAIRS:-3} OUT=$OUT bash benchmarks/h200-shm/run.sh ab trace ;;
   tests)
     mkdir -p "$OUT/tests"
-    LIMIT=${LIMIT:-240} OUT=$OUT/tests bash benchmarks/h200-session4/run.sh sync-faults "tests/sync tests/faults" \
+    LIMIT=${LIMIT:-330} OUT=$OUT/tests bash benchmarks/h200-session4/run.sh sync-faults "tests/sync tests/faults" \
       wire-transports "tests/wire tests/transports"
     # alone: the handoff's device invariant reads cudaMemGetInfo, which counts every process on the GPU
     LIMIT=120 OUT=$OUT/tests bash benchmarks/h200-session4/run.sh engines-handoff "tests/engines tests/handoff" ;;
@@ -36,6 +28,10 @@ for what in ${*:-ab tests mutants}; do
         tests/transports/test_cuda_graphs.py::test_the_gather_into_the_staging_buffer_replays_and_follows_a_new_staging_buffer
       mutant copier-unordered colosync/sync/pipeline.py '/stream.wait_stream(torch.cuda.current_stream(device))/d' \
         tests/transports/test_cuda_ipc.py::test_shm_on_gpu_copies_a_bucket_out_only_once_it_is_packed
+      mutant no-record-stream colosync/sync/pipeline.py 's/checked.record_stream(copier)/pass/' \
+        tests/transports/test_cuda_ipc.py::test_shm_on_gpu_fingerprints_of_single_tensor_buckets_in_a_row_stay_their_own
+      mutant views-unkeyed colosync/sync/pipeline.py 's/ViewKey(bucket, STAGING - staged)/ViewKey(bucket, STAGING)/' \
+        tests/transports/test_cuda_ipc.py::test_shm_staging_views_follow_their_buffer_when_a_bucket_moves_between_devices
     } 2>&1 | tee "$OUT/mutants.log" ;;
   edges)  # the chunk ramp at an update's ends (COLOSYNC_SHM_EDGE_MB; 0: none), alternated
     for e in ${EDGES:-0 8 4 0 8 4 0 8 4}; do
