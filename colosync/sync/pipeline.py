@@ -201,7 +201,9 @@ class StagingBuffers:
         self._bucket_bytes = bucket_bytes
         self._plans = plans  # their staging views go stale when a buffer is replaced
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._freed: list[Any] = [None, None]  # per buffer, a CUDA event after the copies out of it
+        # per buffer and device, a CUDA event after the copies out of it: kept when the buffer is replaced,
+        # since the copies also read the device's result rows (``BucketStreamer._gather``), which stay
+        self._freed: dict[tuple[int, torch.device], Any] = {}
         self._streams: dict[torch.device, Any] = {}
 
     def buffer(self, which: int, size: int, device: torch.device) -> torch.Tensor:
@@ -211,10 +213,10 @@ class StagingBuffers:
             if buf is not None and buf.device in self._streams:
                 buf.record_stream(self._streams[buf.device])  # not reused before the copies out of it are done
             buf = self._buffers[which] = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
-            self._freed[which] = None
             self._plans.drop_views(staging_only=True)
-        elif self._freed[which] is not None:
-            torch.cuda.current_stream(device).wait_event(self._freed[which])
+        freed = self._freed.get((which, device))
+        if freed is not None:
+            torch.cuda.current_stream(device).wait_event(freed)
         return buf[:size]
 
     def copier(self, device: torch.device) -> Any:
@@ -227,9 +229,15 @@ class StagingBuffers:
 
     def copied(self, which: int, stream: Any) -> None:
         """Every copy out of buffer ``which`` is queued on ``stream``."""
-        if self._freed[which] is None:
-            self._freed[which] = torch.cuda.Event()
-        self._freed[which].record(stream)
+        key = (which, stream.device)
+        if key not in self._freed:
+            self._freed[key] = torch.cuda.Event()
+        self._freed[key].record(stream)
+
+    def drain(self) -> None:
+        """Wait for every copy queued to host slots (before they are unmapped, or written by another push)."""
+        for stream in self._streams.values():
+            stream.synchronize()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -349,6 +357,10 @@ class BucketStreamer:
                 pipe.put(Stage(uid, bucket, offset, nbytes, slot, None, seal), fence, fp)
             if copier is not None and staged is not None:
                 self._staging.copied(staged, copier)
+            elif copier is not None:  # the copies read the source's own memory: not reused or rewritten before
+                packed.record_stream(copier)
+                if source is not None:  # a source may refill the same memory for its next bucket
+                    torch.cuda.current_stream(device).wait_stream(copier)
         # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)
 
     def _pack_checked(
@@ -426,6 +438,10 @@ class BucketStreamer:
             capacity = min(256, 4 * len(plan.sizes) * (self.transport.num_slots + 1) + 4)
             cache = caches[device] = GraphCache(device, capacity)
         return cache
+
+    def drain(self) -> None:
+        """Wait for the copies out to host slots this streamer queued (a push failed, or the transport closes)."""
+        self._staging.drain()
 
     def graph_counts(self) -> dict[str, int]:
         """How often packs ran eagerly, were captured and were replayed (all plans)."""

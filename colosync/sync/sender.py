@@ -13,6 +13,7 @@ re-raises; the engine keeps serving its last committed version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -238,6 +239,8 @@ class Sender:
                 self.link.submit(Detach(reason="Sender.close")).wait()
             except Exception as exc:  # a gone engine has nothing to detach
                 log.debug("detach not acknowledged: %s", exc)
+            if self._streamer is not None:
+                self._streamer.drain()  # no copy may land in the slots once they are unmapped
             self._transport.close()
             self._transport = self._streamer = None  # the streamer takes its staging buffer along
         self._arena = None
@@ -367,6 +370,9 @@ class Sender:
         return uid
 
     def _abort(self, uid: int, exc: BaseException) -> None:
+        if self._streamer is not None:
+            with contextlib.suppress(Exception):  # the original error matters more
+                self._streamer.drain()  # this update's copies may not land in the slots over the next one's
         try:
             ack = self.link.submit(Abort(uid, reason=f"sender failed: {type(exc).__name__}: {exc}")).wait()
         except Exception as abort_exc:  # the original error matters more

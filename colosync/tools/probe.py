@@ -121,8 +121,8 @@ def _mps() -> Check:
         return Check(
             "CUDA MPS",
             True,
-            f"a control daemon's pipe is in {folder}: processes of the user who started it share one context "
-            "(a killed daemon leaves its pipe: `echo get_server_list | nvidia-cuda-mps-control` tells)",
+            f"a control daemon's pipe and pid file are in {folder}: processes of the user who started it share "
+            "one context (a killed daemon leaves both: `echo get_server_list | nvidia-cuda-mps-control` tells)",
         )
     return Check(
         "CUDA MPS",

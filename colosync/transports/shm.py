@@ -22,7 +22,8 @@ set the pace: ``benchmarks/h200-s10``). Seal numbers only grow, so a late write 
 aborted update can never pass for the one awaited. A sender that dies before its seal lands
 is seen at once: it holds an exclusive ``flock`` on the segment for its life, which the
 kernel drops with its last descriptor, and a waiting receiver tries the lock every
-``PROBE_S`` (a process forked from the sender inherits the lock; then ``WAIT_TIMEOUT_S``).
+``PROBE_S``. A process forked from the sender closes its copy of the descriptor at once
+(``os.register_at_fork``); one that hangs instead gets ``WAIT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import mmap
 import os
 import secrets
 import time
+import weakref
 from multiprocessing import resource_tracker
 
 import msgspec
 import torch
 
-from colosync.errors import TransportError
+from colosync.errors import ManifestError, TransportError
 from colosync.transports.base import ReceiverTransport, SenderTransport
 from colosync.wire.protocol import Stage
 
@@ -51,6 +53,7 @@ CHUNK_BYTES = int(float(os.environ.get("COLOSYNC_SHM_CHUNK_MB", "16")) * (1 << 2
 """Slot size for buckets on a GPU (``COLOSYNC_SHM_CHUNK_MB`` overrides; a multiple of 8 KiB)."""
 SEAL_NUMBERS = 4096  # seals the sender copies from one table on the device
 SPIN_S = 0.05  # ``ready``: how long the receiver polls a seal without sleeping
+POLL_S = 0.0005  # ``ready``, past SPIN_S: the sleep between two polls
 PROBE_S = 0.002  # ``ready``, past SPIN_S: how often it checks that the sender still lives
 WAIT_TIMEOUT_S = 30.0  # ``ready``: how long a sender's copy may take before the Stage is refused
 
@@ -93,14 +96,29 @@ class _Mapping:
         try:
             if create:
                 os.ftruncate(fd, size)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new name: nobody else holds it
+            elif (found := os.fstat(fd).st_size) < size:
+                raise TransportError(
+                    f"/dev/shm/{name} is {found} bytes, the handle says {size}: the trainer and the engine run "
+                    "different colosync versions; upgrade both"
+                )
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
-        except OSError as exc:
+            if create:  # the lock goes on a description of its own: mmap keeps a duplicate of ``fd``, which
+                # a forked child would hold on to; the child closes this one (``_forget_locks_in_child``)
+                lock = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+                os.close(fd)
+                fd = lock
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new name: nobody else holds it
+        except (OSError, TransportError) as exc:
             os.close(fd)
             if create:
                 _unlink(name)
+            if isinstance(exc, TransportError):
+                raise
             raise TransportError(f"cannot map {size} bytes of /dev/shm/{name}: {exc}") from exc
+        self._close_fd = weakref.finalize(self, os.close, fd)  # also for a mapping dropped without close()
         self._fd = fd
+        if create:
+            _CREATED.add(self)
         tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.tensor: torch.Tensor | None = tensor
         self._pinned = False
@@ -116,7 +134,7 @@ class _Mapping:
 
     def creator_alive(self) -> bool:
         """Whether the segment's creator still holds its lock (it is dropped when the creator dies)."""
-        if self._fd < 0:
+        if not self._close_fd.alive:
             return False
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -141,8 +159,7 @@ class _Mapping:
     def close(self) -> None:
         if self._mmap is None:
             return
-        os.close(self._fd)  # drops the creator's lock
-        self._fd = -1
+        self._close_fd()  # drops the creator's lock
         if self._pinned and self.tensor is not None:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False
@@ -152,6 +169,18 @@ class _Mapping:
         except BufferError:
             log.debug("a view of the shared memory is still alive; it unmaps when collected")
         self._mmap = None
+
+
+_CREATED: weakref.WeakSet[_Mapping] = weakref.WeakSet()  # this process's own segments, whose lock it holds
+
+
+def _forget_locks_in_child() -> None:
+    """A child forked from a sender closes its copy of each segment's descriptor: the lock then dies with the sender."""
+    for mapping in list(_CREATED):
+        mapping._close_fd()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 def _want_pin(device: torch.device) -> bool:
@@ -274,6 +303,8 @@ class ShmReceiver(ReceiverTransport):
         self._words: memoryview | None = self._map.words(handle.seals_offset, 2 * handle.slots)  # a poll: ~50 ns
 
     def slot(self, index: int) -> torch.Tensor:
+        if not 0 <= index < self._handle.slots:  # past the slots lie the seals
+            raise ManifestError(f"shm slot {index} does not exist: the segment has {self._handle.slots}")
         start = index * self._handle.slot_bytes
         return self._map.view(start, self._handle.slot_bytes)
 
@@ -288,20 +319,22 @@ class ShmReceiver(ReceiverTransport):
     def ready(self, stage: Stage) -> None:
         if not stage.seal:
             return
-        word, seal = 2 * stage.slot + 1, stage.seal
         words = self._words
         if words is None:
             raise TransportError("the shared memory segment is closed")
-        if words[word] == seal:
-            return
+        self.slot(stage.slot)  # a slot that exists
+        word, seal = 2 * stage.slot + 1, stage.seal
         start = time.monotonic()
         probe = start + SPIN_S
         while words[word] != seal:
             now = time.monotonic()
-            if now < probe:
+            if now - start < SPIN_S:
                 time.sleep(0)  # yield the GIL: the socket thread reads on
                 continue
-            time.sleep(PROBE_S / 4)
+            time.sleep(POLL_S)
+            if now < probe:
+                continue
+            probe = now + PROBE_S
             if words[word] == seal:
                 return
             if not self._map.creator_alive():
@@ -314,7 +347,6 @@ class ShmReceiver(ReceiverTransport):
                     f"the sender's copy into shm slot {stage.slot} did not finish within {WAIT_TIMEOUT_S:.0f} s; "
                     "the sender hung mid-update (its GPU work never completed)"
                 )
-            probe = now + PROBE_S
 
     def sent_fingerprint(self, stage: Stage) -> torch.Tensor | None:
         if not stage.seal:

@@ -42,10 +42,12 @@ def test_machine_info_without_cuda_reports_no_gpu():
         assert "gpu" not in machine_info() and machine_info()["cuda"] is None
 
 
-def test_an_mps_daemon_is_found_by_its_control_pipe(tmp_path, monkeypatch):
+def test_an_mps_daemon_is_found_by_its_control_pipe_and_pid_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert machine.mps_daemon() is None  # the folder alone is not a daemon
     (tmp_path / "control").touch()
+    assert machine.mps_daemon() is None  # the pipes a daemon told to quit leaves behind
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text("4242\n")
     assert machine.mps_daemon() == str(tmp_path)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setattr(machine, "MPS_PIPE_DEFAULT", str(tmp_path))

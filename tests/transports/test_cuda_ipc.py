@@ -226,6 +226,25 @@ def test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal():
         receiver.close()
 
 
+def test_shm_on_gpu_copies_out_of_a_sources_temporaries_before_their_memory_is_reused(sink):
+    """A source that makes each tensor on the fly (a cast, a gather) frees it once its bucket is queued; a
+    bucket that is one tensor is copied out of that memory, on the copy stream, while the Sender (which
+    never waits on its host) already makes the next ones. Their memory must not be handed out before."""
+    g = torch.Generator(device="cuda").manual_seed(15)
+    base = [(f"w{i}", torch.randn(3 << 19, device="cuda", generator=g)) for i in range(12)]  # 3 MiB in bf16
+    specs = [(n, tuple(t.shape), torch.bfloat16) for n, t in base]
+    # 2 MiB slots, 16 of them: the first 16 chunks (8 buckets) of a push wait for no reply
+    with Sender(sink.connect(), transport="shm", bucket_bytes=2 << 20, slots=16) as sender:
+        for step in range(4):
+
+            def made(step: int = step):
+                for name, t in base:
+                    yield name, (t + step).to(torch.bfloat16)  # a temporary, freed once the next is made
+
+            assert sender.push_stream(specs, made()).buckets == len(base)  # each a bucket of its own
+            assert_served(sink, [(n, (t + step).to(torch.bfloat16)) for n, t in base])
+
+
 def test_arena_updates_need_no_packing(sink):
     named = named_tensors(3)
     with Sender(sink.connect(), transport="cuda_ipc") as sender:

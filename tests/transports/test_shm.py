@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 import colosync
-from colosync.errors import TransportError
+from colosync.errors import ManifestError, TransportError
 from colosync.transports import shm
 from colosync.transports.shm import ShmReceiver, ShmSender
 from colosync.wire.protocol import Stage
@@ -103,3 +107,78 @@ def test_seal_numbers_are_copied_from_a_table_that_follows_them_across_refills()
     for number in [1, 2, 3, shm.SEAL_NUMBERS, shm.SEAL_NUMBERS + 1, shm.SEAL_NUMBERS + 2, 3 * shm.SEAL_NUMBERS + 7]:
         row = numbers.row(number)
         assert row.tolist() == [number]
+
+
+def test_a_sender_forked_before_it_died_does_not_keep_it_alive():
+    """A forked child (a DataLoader worker, say) closes its copy of the locked descriptor at the fork."""
+    code = (
+        _MAKE + "; import os, sys, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(30); os._exit(0)\n"
+        "sys.stdout.write(f'{pid} {s.handle().hex()}\\n'); sys.stdout.flush(); time.sleep(60)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(Path(colosync.__file__).parents[1])),
+    )
+    receiver, grandchild = None, 0
+    try:
+        assert child.stdout is not None
+        pid, handle = child.stdout.readline().decode().split()
+        grandchild = int(pid)
+        receiver = ShmReceiver.open(bytes.fromhex(handle), torch.device("cpu"))
+        assert receiver._map.creator_alive()
+        child.kill()
+        child.wait()
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="sender died"):
+            receiver.ready(Stage(3, 0, 0, 100, 0, None, 1))
+        assert time.monotonic() - start < 2.0  # the fork, still alive, does not hold the lock
+    finally:
+        child.kill()
+        if grandchild:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
+        if receiver is not None:
+            receiver.close()
+
+
+def test_a_sender_dropped_without_close_lets_go_of_its_segment():
+    sender = ShmSender(1 << 20, 2, torch.device("cpu"))
+    name = sender._name
+    sender.attached()  # the name is gone: only the open descriptor and the mapping keep the memory
+    assert any(name in target for target in _open_targets())
+    del sender
+    gc.collect()
+    assert not any(name in target for target in _open_targets())
+
+
+def _open_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return targets
+
+
+def test_a_stage_naming_a_slot_past_the_last_is_refused_before_the_seals():
+    sender, receiver = _pair(slots=2)
+    try:
+        with pytest.raises(ManifestError, match="shm slot 2 does not exist: the segment has 2"):
+            receiver.ready(Stage(3, 0, 0, 100, 2, None, 1))
+        with pytest.raises(ManifestError, match="shm slot 2 does not exist"):
+            receiver.slot(2)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_segment_smaller_than_its_handle_says_is_refused_with_the_fix():
+    sender = ShmSender(1 << 16, 2, torch.device("cpu"))
+    try:
+        bigger = msgspec.msgpack.encode(shm.ShmHandle(sender._name, 1 << 17, 2))
+        with pytest.raises(TransportError, match="different colosync versions; upgrade both"):
+            ShmReceiver.open(bigger, torch.device("cpu"))
+    finally:
+        sender.close()

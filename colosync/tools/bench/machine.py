@@ -50,15 +50,17 @@ MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
 
 def mps_daemon() -> str | None:
     """The pipe directory of a CUDA MPS control daemon (``CUDA_MPS_PIPE_DIRECTORY``, else
-    ``/tmp/nvidia-mps``) when its control pipe is there, else None. A daemon that was killed
-    leaves its pipe behind, so this says "likely running", not more.
+    ``/tmp/nvidia-mps``) when its control pipe and its pid file are there, else None. A daemon
+    told to ``quit`` removes its pid file and leaves the pipes (seen on an H200, driver 580,
+    ``benchmarks/h200-s10``); one killed outright leaves both, so this says "likely running".
 
     Without MPS, a trainer and an engine on one GPU are two CUDA contexts that the GPU
     time-slices, and every hand-off between them cost ~0.3 ms on an H200
     (``benchmarks/h200-two-contexts/two_contexts.py``): more than the GPU work of a LoRA sync.
     """
     folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
-    return folder if os.path.exists(os.path.join(folder, "control")) else None
+    running = all(os.path.exists(os.path.join(folder, f)) for f in ("control", "nvidia-cuda-mps-control.pid"))
+    return folder if running else None
 
 
 def machine_info(device: Any = None) -> dict[str, Any]:
