@@ -45,6 +45,9 @@ for what in ${*:-targets}; do
         tests/transports/test_cuda_ipc.py::test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal
       mutant seal-on-the-host colosync/transports/shm.py 's/seal\[1:\].copy_(numbers.row(self._sealed), non_blocking=True)/seal[1] = self._sealed/' \
         tests/transports/test_cuda_ipc.py::test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal
+      mutant temporaries-unordered colosync/sync/pipeline.py \
+        's/packed.record_stream(copier)/pass/; s/torch.cuda.current_stream(device).wait_stream(copier)/pass/' \
+        tests/transports/test_cuda_ipc.py::test_shm_on_gpu_copies_out_of_a_sources_temporaries_before_their_memory_is_reused
     } 2>&1 | tee "$OUT/mutants.log" ;;
   *) echo "unknown step $what" ;;
   esac
