@@ -39,7 +39,7 @@ for what in ${*:-targets}; do
   mutants)
     . benchmarks/h200-s9/mutant.sh
     {
-      mutant unsealed colosync/sync/pipeline.py 's/seal = transport.written(slot, on, on_device if last else None)/seal = 0/' \
+      mutant unsealed colosync/sync/pipeline.py 's/seal = transport.written(slot, on, on_device)/seal = 0/' \
         tests/transports/test_cuda_ipc.py::test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal
       mutant seal-not-awaited colosync/transports/shm.py 's/if words\[word\] == seal:/if True:/' \
         tests/transports/test_cuda_ipc.py::test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal

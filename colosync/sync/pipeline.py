@@ -344,9 +344,9 @@ class BucketStreamer:
                     seal = 0
                     if packed.is_cuda or to_cuda:
                         on = packed.device if packed.is_cuda else slot_device
-                        # a fingerprint on the device goes with the seal, if the transport seals
-                        on_device = cell if cell is not None else checked if last and _on_gpu(fp) else None
-                        seal = transport.written(slot, on, on_device if last else None)  # the engine waits for it
+                        # a fingerprint on the device goes with the seal, if the transport seals (fp: last chunk only)
+                        on_device = cell if cell is not None and last else checked if _on_gpu(fp) else None
+                        seal = transport.written(slot, on, on_device)  # the engine waits for it
                         if seal and on_device is not None:
                             fp = None
                         elif _on_gpu(fp):

@@ -145,6 +145,10 @@ class _Mapping:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         return False
 
+    def pairs(self, handle: ShmHandle) -> torch.Tensor:
+        """The ``[fingerprint, seal]`` int64 pair of each slot, after the slots."""
+        return self.view(handle.seals_offset, 16 * handle.slots).view(torch.int64).view(handle.slots, 2)
+
     def words(self, start: int, count: int) -> memoryview:
         """``count`` int64 words from byte ``start``; release the view before ``close``."""
         if self._mmap is None:
@@ -238,7 +242,7 @@ class ShmSender(SenderTransport):
         except BaseException:
             self._drop_name()
             raise
-        self._seals = self._map.view(self._handle.seals_offset, 16 * slots).view(torch.int64).view(slots, 2)
+        self._seals = self._map.pairs(self._handle)
         self._sealed = 0  # the last seal handed out; they only grow
         self._numbers: dict[torch.device, SealNumbers] = {}
         log.debug("shm: created /dev/shm/%s, %d x %d bytes, pinned=%s", self._name, slots, slot_bytes, self._map.pinned)
@@ -299,12 +303,15 @@ class ShmReceiver(ReceiverTransport):
         self._handle = handle
         self._map = _Mapping(handle.name, handle.nbytes, create=False, pin=device.type == "cuda")
         # The sender unlinks the name once every receiver (e.g. each vLLM TP worker) has acknowledged.
-        self._seals = self._map.view(handle.seals_offset, 16 * handle.slots).view(torch.int64).view(handle.slots, 2)
+        self._seals = self._map.pairs(handle)
         self._words: memoryview | None = self._map.words(handle.seals_offset, 2 * handle.slots)  # a poll: ~50 ns
 
-    def slot(self, index: int) -> torch.Tensor:
+    def _exists(self, index: int) -> None:
         if not 0 <= index < self._handle.slots:  # past the slots lie the seals
             raise ManifestError(f"shm slot {index} does not exist: the segment has {self._handle.slots}")
+
+    def slot(self, index: int) -> torch.Tensor:
+        self._exists(index)
         start = index * self._handle.slot_bytes
         return self._map.view(start, self._handle.slot_bytes)
 
@@ -322,7 +329,7 @@ class ShmReceiver(ReceiverTransport):
         words = self._words
         if words is None:
             raise TransportError("the shared memory segment is closed")
-        self.slot(stage.slot)  # a slot that exists
+        self._exists(stage.slot)
         word, seal = 2 * stage.slot + 1, stage.seal
         start = time.monotonic()
         probe = start + SPIN_S
