@@ -17,7 +17,7 @@ for what in ${*:-tests mutants}; do
     sealed=tests/transports/test_cuda_ipc.py::test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal
     {
       mutant unsealed colosync/sync/pipeline.py 's/seal = transport.written(slot, on, on_device)/seal = 0/' "$sealed"
-      mutant seal-not-awaited colosync/transports/shm.py 's/if words\[word\] == seal:/if True:/' "$sealed"
+      mutant seal-not-awaited colosync/transports/shm.py 's/while words\[word\] != seal:/while False:/' "$sealed"
       mutant seal-on-the-host colosync/transports/shm.py \
         's/seal\[1:\].copy_(numbers.row(self._sealed), non_blocking=True)/seal[1] = self._sealed/' "$sealed"
       mutant temporaries-unordered colosync/sync/pipeline.py \

@@ -232,7 +232,8 @@ def test_shm_on_gpu_sends_each_stage_sealed_and_the_engine_waits_for_the_seal():
 def test_shm_on_gpu_copies_out_of_a_sources_temporaries_before_their_memory_is_reused(sink):
     """A source that makes each tensor on the fly (a cast, a gather) frees it once its bucket is queued; a
     bucket that is one tensor is copied out of that memory, on the copy stream, while the Sender (which
-    never waits on its host) already makes the next ones. Their memory must not be handed out before."""
+    never waits on its host) already makes the next ones. Their memory must not be handed out before: the copy
+    stream is held up here, so copies that read reused memory would ship a later tensor's bytes."""
     g = torch.Generator(device="cuda").manual_seed(15)
     base = [(f"w{i}", torch.randn(3 << 19, device="cuda", generator=g)) for i in range(12)]  # 3 MiB in bf16
     specs = [(n, tuple(t.shape), torch.bfloat16) for n, t in base]
@@ -244,6 +245,9 @@ def test_shm_on_gpu_copies_out_of_a_sources_temporaries_before_their_memory_is_r
                 for name, t in base:
                     yield name, (t + step).to(torch.bfloat16)  # a temporary, freed once the next is made
 
+            if step:  # ~50 ms of GPU time queued on the copy stream: the trainer's stream runs far ahead of it
+                with torch.cuda.stream(sender._streamer._staging.copier(torch.device("cuda", 0))):
+                    torch.cuda._sleep(100_000_000)
             assert sender.push_stream(specs, made()).buckets == len(base)  # each a bucket of its own
             assert_served(sink, [(n, (t + step).to(torch.bfloat16)) for n, t in base])
 
