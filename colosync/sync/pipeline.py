@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
 import time
 import weakref
 from collections import deque
@@ -45,49 +44,6 @@ if TYPE_CHECKING:
 
 PHASES = ("pack", "transfer", "stage", "prepare", "commit")
 _CURRENT_STREAM = contextlib.nullcontext()
-EDGE_BYTES = int(float(os.environ.get("COLOSYNC_SHM_EDGE_MB", "8")) * (1 << 20)) // 8192 * 8192
-"""The first and last chunk of an update through host slots from a GPU (``COLOSYNC_SHM_EDGE_MB``; 0: off).
-
-The engine copies a chunk to its device only once the trainer's copy of it to host memory is
-done, so an update takes the trainer's first chunk, then every chunk's copy in, then the last
-chunk's copy in. A smaller first and last chunk shorten both ends: chunks double from this
-size up to the slot at an update's start and halve down to it at its end. Measured on an H200
-with ``shm``'s sealed chunks (``benchmarks/h200-s11``)."""
-
-
-def chunk_spans(
-    size: int, slot_bytes: int, edge: int = 0, head: bool = False, tail: bool = False
-) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each chunk of a ``size``-byte bucket, none longer than ``slot_bytes``.
-
-    With ``edge`` > 0 the chunks ramp up from ``edge`` bytes at the ``head`` of the bucket and
-    down to it at its ``tail`` (``EDGE_BYTES``); a bucket too small for its ramps is cut
-    plainly. Every chunk but the bucket's last starts and ends on an 8-byte word, as the
-    engine's device check wants.
-    """
-    ramp: list[int] = []
-    step = edge
-    while 0 < step < slot_bytes:
-        ramp.append(step)
-        step *= 2
-    front = ramp if head else []
-    back = ramp[::-1] if tail else []
-    if sum(front) + sum(back) >= size:
-        front, back = [], []
-    body = size - sum(front) - sum(back)
-    if back:  # the odd bytes go with the final (short) chunk, so the body stays whole words
-        back[-1] += body % 8
-        body -= body % 8
-    whole, rest = divmod(body, slot_bytes)
-    middle = [slot_bytes] * whole
-    if rest:  # ramping down, the short piece goes first; else last, as a plain cut has it
-        middle.insert(0 if back else whole, rest)
-    spans: list[tuple[int, int]] = []
-    offset = 0
-    for nbytes in front + middle + back:
-        spans.append((offset, nbytes))
-        offset += nbytes
-    return spans or [(0, 0)]
 
 
 class SyncReport(msgspec.Struct, frozen=True):
@@ -363,9 +319,9 @@ class BucketStreamer:
             copier = self._staging.copier(device) if to_host and packed.is_cuda else None  # None: current stream
             if copier is not None and checked is not None:
                 checked.record_stream(copier)  # the copier reads the fingerprint: not reused before it has
-            edge = EDGE_BYTES if copier is not None else 0
-            for offset, nbytes in chunk_spans(size, slot_bytes, edge, bucket == 0, bucket == len(plan.sizes) - 1):
-                last = offset + nbytes >= size  # the bucket's last chunk carries its fingerprint
+            for offset in range(0, max(size, 1), slot_bytes):
+                nbytes = min(slot_bytes, size - offset)
+                last = offset + slot_bytes >= size  # the bucket's last chunk carries its fingerprint
                 if not direct:
                     slot = pipe.acquire()
                 fp: Any = None

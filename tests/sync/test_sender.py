@@ -1,26 +1,22 @@
 """The Sender: its per-update shortcuts never change what arrives, its slot pipeline, attaching.
 
-Plans, padding and slot sizing; how a bucket is cut into chunks (``chunk_spans``);
-``SlotPipeline`` on its own (which slot each chunk takes and
+Plans, padding and slot sizing; ``SlotPipeline`` on its own (which slot each chunk takes and
 which replies are read before a slot is reused); view caches dropped with their buffers; and
 ``transports.attach_first``, the one place a transport is picked.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from colosync import transports
 from colosync.engines.sink import SinkEngine
 from colosync.errors import ConfigError, EngineBusyError, FingerprintMismatchError, TransportError, TransportUnavailable
 from colosync.sync.link import Done, LocalLink
-from colosync.sync.pipeline import SlotPipeline, chunk_spans
+from colosync.sync.pipeline import SlotPipeline
 from colosync.sync.plan import STAGING, ViewKey
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
@@ -524,36 +520,3 @@ def test_close_detaches_so_another_sender_may_attach_and_takeover_is_explicit(si
 def test_bad_arguments_are_config_errors():
     with pytest.raises(ConfigError, match="slots must be >= 1"):
         Sender(None, slots=0)
-
-
-MiB = 1 << 20
-
-
-def test_chunks_ramp_up_at_an_updates_start_and_down_at_its_end():
-    slot, edge = 16 * MiB, 4 * MiB
-    assert chunk_spans(40 * MiB, slot) == [(0, slot), (slot, slot), (2 * slot, 8 * MiB)]  # plain: the rest last
-    head = chunk_spans(40 * MiB + 3, slot, edge, head=True)
-    assert [n for _, n in head] == [4 * MiB, 8 * MiB, 16 * MiB, 12 * MiB + 3]
-    tail = chunk_spans(40 * MiB + 3, slot, edge, tail=True)
-    assert [n for _, n in tail] == [12 * MiB, 16 * MiB, 8 * MiB, 4 * MiB + 3]  # odd bytes in the final chunk
-    both = chunk_spans(64 * MiB, slot, edge, head=True, tail=True)  # ramping down, the short body piece first
-    assert [n for _, n in both] == [4 * MiB, 8 * MiB, 8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB, 4 * MiB]
-    assert chunk_spans(20 * MiB, slot, edge, head=True, tail=True) == chunk_spans(20 * MiB, slot)  # too small: plain
-    assert chunk_spans(0, slot, edge, head=True, tail=True) == [(0, 0)]  # an empty bucket still sends one Stage
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    size=st.integers(0, 1 << 26),
-    slot_words=st.integers(1, 1 << 20),
-    edge_words=st.integers(0, 1 << 20),
-    head=st.booleans(),
-    tail=st.booleans(),
-)
-def test_chunks_cover_the_bucket_in_order_within_the_slot_on_whole_words(size, slot_words, edge_words, head, tail):
-    slot = slot_words * 8
-    spans = chunk_spans(size, slot, edge_words * 8, head, tail)
-    assert spans[0][0] == 0 and sum(n for _, n in spans) == size
-    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))  # contiguous, in order
-    assert all(0 < n <= slot for _, n in spans) or size == 0
-    assert all(n % 8 == 0 for _, n in spans[:-1])  # the engine's device check reads whole words
