@@ -1,7 +1,8 @@
 """colosync: move a trainer's weights into a colocated inference engine as a transaction.
 
-Trainer side: ``Sender`` (``push``, ``push_peft``, ``push_stream``) over a ``Link`` to the
-engine. Engine side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
+Trainer side: ``Sender`` (``push``, ``push_peft``, ``push_stream``, ``drop_adapter``) over a
+``Link`` to the engine, each push verifiable with a ``Probe`` (``Probe.from_model``). Engine
+side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
 (``colosync.transports``); control messages are typed structs (``colosync.wire.protocol``).
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
@@ -9,14 +10,20 @@ Engines, Ray, Megatron and PEFT are imported only where they are used.
 from colosync import _compat
 from colosync.errors import (
     ColosyncError,
+    ConfigError,
+    DeliveryError,
     DtypeError,
+    EngineBusyError,
     EngineError,
+    FailedClosedError,
     FingerprintMismatchError,
+    IncompleteUpdateError,
     ManifestError,
     NonFiniteError,
     RankError,
     ShapeMismatchError,
     StaleUpdateError,
+    TiedWeightError,
     TransactionStateError,
     TransportError,
     TransportUnavailable,
@@ -29,7 +36,8 @@ from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec
 from colosync.wire.bucket import TensorSpec
-from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
+from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, UpdateManifest
+from colosync.wire.protocol import Probe
 from colosync.workloads import WORKLOADS_DIR
 
 __version__ = "0.2.0"
@@ -39,15 +47,23 @@ _compat.install()  # colosync 0.1's module paths (colosync.sender, ...) keep wor
 
 __all__ = [
     "WORKLOADS_DIR",
+    "AdapterPolicy",
     "ColosyncError",
+    "ConfigError",
+    "DeliveryError",
     "DtypeError",
+    "EngineBusyError",
     "EngineError",
+    "FailedClosedError",
     "FingerprintMismatchError",
+    "IncompleteUpdateError",
     "ManifestError",
     "NonFiniteError",
+    "Probe",
     "RankError",
     "ShapeMismatchError",
     "StaleUpdateError",
+    "TiedWeightError",
     "TransactionStateError",
     "TransportError",
     "TransportUnavailable",

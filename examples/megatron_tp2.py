@@ -7,10 +7,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from colosync import Sender
-from colosync.demo.models import make_tiny_llama
+from colosync.demo.models import greedy, make_tiny_llama
 from colosync.engines.config import Generate
 from colosync.engines.process import EngineConfig, EngineProcess, connect
 from colosync.sources.megatron import ConversionContext, MegatronSource, ParallelGroups
@@ -44,7 +44,12 @@ def train_rank(rank, model_dir, address):
     source = MegatronSource(model, ctx, ParallelGroups.from_megatron())  # collective: every rank checks its shards
     sender = Sender(connect(address, "hf")) if source.is_sender else None
     report = source.push(sender)  # every rank calls it; TP rank 0 gathers its peer's shards and sends
+    named = {name: t.clone() for name, t in source.tensors()}  # collective again: the HF weights, on rank 0 only
     if sender is not None:
+        reference = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)  # what the engine must now compute
+        reference.load_state_dict(named)
+        gen = sender.link.call(Generate(prompts=[[1, 5, 9]], max_new_tokens=8))
+        assert gen.update_id == report.update_id and gen.tokens == greedy(reference, [[1, 5, 9]], 8)[0]
         sender.close()
         print(f"rank {rank}: update {report.update_id}, {report.tensors} HF tensors in {report.buckets} buckets")
     dist.barrier()  # leave together: a rank that tears its group down early can abort its peer

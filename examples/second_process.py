@@ -6,7 +6,7 @@ import tempfile
 import msgspec
 
 from colosync import Sender
-from colosync.demo.models import load_model, make_tiny_llama, random_lora
+from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.config import EngineAddress, EngineConfig, Generate
 from colosync.engines.process import EngineProcess, connect
 
@@ -15,7 +15,7 @@ def driver(address: bytes, done: mp.Queue) -> None:
     """Another process (a rollout worker, a Ray actor...): connect, generate, report the version."""
     link = connect(msgspec.msgpack.decode(address, type=EngineAddress), "hf", name="driver")
     gen = link.call(Generate(prompts=[[1, 5, 9]], max_new_tokens=4))
-    done.put(gen.update_id)
+    done.put((gen.update_id, gen.tokens[0]))
     link.close()
 
 
@@ -23,12 +23,13 @@ if __name__ == "__main__":
     model_dir = make_tiny_llama(tempfile.mkdtemp() + "/tiny-llama", seed=0)
     engine = EngineProcess(EngineConfig(engine="hf", model_dir=str(model_dir)))
     with engine, Sender(engine.link, transport="shm") as sender:
-        report = sender.push_peft(random_lora(load_model(model_dir), seed=1))
+        peft_model = random_lora(load_model(model_dir), seed=1)
+        report = sender.push_peft(peft_model)
         ctx = mp.get_context("spawn")
         done = ctx.Queue()
         child = ctx.Process(target=driver, args=(msgspec.msgpack.encode(engine.address), done))
         child.start()
-        served = done.get(timeout=120)
+        served, tokens = done.get(timeout=120)
         child.join()
-        assert served == report.update_id, (served, report.update_id)
-        print(f"the driver process was served update {served}")
+        assert served == report.update_id and tokens == greedy(peft_model, [[1, 5, 9]], 4)[0][0], (served, tokens)
+        print(f"the driver process was served update {served}: {tokens}")

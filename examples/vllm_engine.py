@@ -4,7 +4,7 @@ import os
 import tempfile
 
 from colosync import Sender
-from colosync.demo.models import load_model, make_tiny_llama, random_lora
+from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.vllm import WORKER_EXTENSION, VllmEngine
 
 if __name__ == "__main__":  # vLLM spawns worker processes: guard the entry point
@@ -27,7 +27,13 @@ if __name__ == "__main__":  # vLLM spawns worker processes: guard the entry poin
     with Sender(engine.link, transport="shm") as sender:  # keep it: the transport is reused
         report = sender.push_peft(peft_model)  # LoRA update: one transaction
         params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=[1, 5, 9])], params, lora_request=engine.lora_request)
+        prompt = TokensPrompt(prompt_token_ids=[1, 5, 9])
+        outs = llm.generate([prompt], params, lora_request=engine.lora_request)
         assert engine.version_of(outs[0]) == report.update_id  # the update these tokens came from
-        report = sender.push(peft_model.merge_and_unload().named_parameters())  # full weights, same path
+        assert list(outs[0].outputs[0].token_ids) == greedy(peft_model, [[1, 5, 9]], 8)[0][0]  # what PEFT computes
+        merged = peft_model.merge_and_unload()
+        report = sender.push(merged.named_parameters())  # full weights, same path; the adapter is dropped
+        outs = llm.generate([prompt], params)  # no lora_request: the engine serves exactly the merged weights
+        assert engine.version_of(outs[0]) == report.update_id
+        assert list(outs[0].outputs[0].token_ids) == greedy(merged, [[1, 5, 9]], 8)[0][0]
         print(f"LoRA then full update {report.update_id}: {list(outs[0].outputs[0].token_ids)}")

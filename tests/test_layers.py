@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "colosync"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_compat"),
-    ("workloads",),
+    ("workloads", "decoding"),
     ("wire",),
     ("transports",),
     ("sync",),

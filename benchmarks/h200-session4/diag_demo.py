@@ -51,7 +51,7 @@ def device() -> dict:
     from colosync.demo.models import LORA_TARGETS, make_tiny_llama
     from colosync.demo.rl import policy_gradient_step
     from colosync.demo.tasks import CountTask
-    from colosync.engines.decoding import load_model, score
+    from colosync.decoding import load_model, score
 
     dev = torch.device("cuda", 0)
     task = CountTask()

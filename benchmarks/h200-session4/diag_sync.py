@@ -50,7 +50,7 @@ def sync() -> dict:
     from colosync.demo.rl import policy_gradient_step
     from colosync.demo.tasks import CountTask
     from colosync.engines.config import EngineConfig, Generate
-    from colosync.engines.decoding import load_model
+    from colosync.decoding import load_model
     from colosync.engines.process import EngineProcess
     from colosync.sync.sender import Sender
 

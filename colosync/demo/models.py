@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colosync.engines.decoding import completion_logprobs, generate, greedy, load_model, score
+from colosync.decoding import completion_logprobs, generate, greedy, load_model, score
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedModel, Qwen2Config

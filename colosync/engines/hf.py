@@ -5,7 +5,9 @@ serving greedy generations and per-token logprobs, updated only through the Rece
 transaction. LoRA versions are PEFT adapters named after their update id; ``prepare`` loads
 the new adapter beside the served one, ``commit`` switches to it and deletes the old one,
 and generation always activates the committed adapter explicitly, so a prepared but
-uncommitted update can never leak into a result.
+uncommitted update can never leak into a result. A full update writes the base weights and,
+unless its manifest says ``adapters="keep"``, stops serving the adapter (generation then runs
+with adapters disabled); an update that changed adapters only can be reverted.
 
 Public API::
 
@@ -18,7 +20,9 @@ Public API::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import warnings
 from typing import Any, ClassVar
 
 import msgspec
@@ -52,6 +56,7 @@ class _PreparedLora(msgspec.Struct):
 class _PreparedFull(msgspec.Struct):
     params: list[Any]
     values: list[Any]
+    drop_adapter: bool  # adapters="drop": stop serving the LoRA adapter at commit
 
 
 class HFEngine(HostedTarget):
@@ -65,8 +70,9 @@ class HFEngine(HostedTarget):
         self._base = dict(model.named_parameters())  # HF names; survive PEFT's wrapping
         self._peft: Any = None
         self._served_adapter: str | None = None
-        self._previous_adapter: str | None = None  # kept until the next commit: what a revert reinstates
-        self._last_commit_lora = False
+        # (the last commit, the adapter served before it) while a revert can undo that commit (it
+        # changed adapters only); the adapter stays loaded until the next commit.
+        self._undo: tuple[int, str | None] | None = None
         self._spec = self._build_spec()
         # Full updates land in host memory and are copied into the weights at commit: the
         # device never holds a second copy of the model (kept between updates on a GPU).
@@ -75,7 +81,10 @@ class HFEngine(HostedTarget):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> HFEngine:
-        from colosync.engines.decoding import load_model
+        from colosync.decoding import load_model
+
+        if importlib.util.find_spec("peft") is not None:
+            import peft  # noqa: F401  # at start-up, not in the first LoRA push (~0.5 s on two cores)
 
         return cls(load_model(config.model_dir, config.device), config.max_lora_rank)
 
@@ -110,7 +119,7 @@ class HFEngine(HostedTarget):
             params = [self._base[name] for name in tensors]
             values = [t if t.dtype == p.dtype else t.to(p.dtype) for p, t in zip(params, tensors.values(), strict=True)]
             self.last_full = full_footprint(manifest, self._host, [*tensors.values(), *values])
-            return _PreparedFull(params, values)
+            return _PreparedFull(params, values, manifest.drops_adapter)
         if manifest.lora is None:  # UpdateManifest guarantees it; keeps the type checker honest
             raise UnknownTensorError(f"update {manifest.update_id} is a LoRA update without a LoraSpec")
         adapter, placed = self._load_adapter(f"u{manifest.update_id}", manifest.lora, tensors)
@@ -118,31 +127,43 @@ class HFEngine(HostedTarget):
         return _PreparedLora(adapter, Changes(placed, expected))
 
     def commit(self, prepared: Any, update_id: int) -> Changes:
-        self._retire(self._previous_adapter)  # only the adapter served right before this commit is kept
-        self._previous_adapter = None
-        if isinstance(prepared, _PreparedFull):
-            changed = len(prepared.values)
+        kept = self._undo[1] if self._undo else None
+        if kept is not None and kept != self._served_adapter:
+            self._retire(kept)  # only the adapter served right before this commit is kept
+        before = self._served_adapter
+        self._undo = (update_id, before)
+        if isinstance(prepared, _PreparedLora):
+            self._served_adapter = prepared.adapter  # the switch
+            return prepared.changes
+        changes = Changes(len(prepared.values), len(prepared.params))
+        if prepared.params:  # (an empty update changes no weight; _foreach_copy_ refuses empty lists)
+            self._undo = None  # the old weights are gone: a revert cannot bring them back
             try:
                 with torch.no_grad():  # host -> device straight into the served weights, no device copy
-                    if prepared.params:  # (an empty update changes nothing; _foreach_copy_ refuses empty lists)
-                        torch._foreach_copy_(prepared.params, prepared.values, non_blocking=True)
+                    torch._foreach_copy_(prepared.params, prepared.values, non_blocking=True)
                 return_cached(self.device)  # waits for the copies: the area may be reused after this
             finally:
                 prepared.values.clear()
-            self._last_commit_lora = False
-            return Changes(changed, len(prepared.params))
-        self._previous_adapter, self._served_adapter = self._served_adapter, prepared.adapter  # the switch
-        self._last_commit_lora = True
-        return prepared.changes
+        if prepared.drop_adapter and before is not None:
+            self._served_adapter = None  # generation now runs with adapters disabled (_serving)
+            if self._undo is None:
+                self._retire(before)
+            changes = Changes(changes.changed + 1, changes.expected + 1)
+        return changes
 
     def revert(self, update_id: int) -> bool:
-        """A LoRA commit is undone by serving the previous adapter again; a full one cannot be."""
-        if not self._last_commit_lora or self._served_adapter != f"u{update_id}":
+        """A commit that changed adapters only is undone by serving the adapter served before it
+        again; one that wrote the base weights cannot be."""
+        if self._undo is None or self._undo[0] != update_id:
             return False
-        failed, self._served_adapter, self._previous_adapter = self._served_adapter, self._previous_adapter, None
-        self._retire(failed)
-        self._last_commit_lora = False  # reverted once; nothing further to undo
+        failed, self._served_adapter = self._served_adapter, self._undo[1]
+        self._undo = None  # reverted once; nothing further to undo
+        if failed is not None and failed != self._served_adapter:
+            self._retire(failed)
         return True
+
+    def served_adapter(self) -> int:
+        return int(self._served_adapter[1:]) if self._served_adapter else 0
 
     def discard(self, prepared: Any) -> None:
         if isinstance(prepared, _PreparedLora):
@@ -203,7 +224,10 @@ class HFEngine(HostedTarget):
         if len(self._peft.peft_config) == 1:  # PEFT cannot delete its last adapter: unwrap
             self.model = self._peft.unload()
             self._peft = None
-        else:
+            return
+        with warnings.catch_warnings():
+            # PEFT warns when the adapter it last activated goes; _serving activates the right one per request
+            warnings.simplefilter("ignore", UserWarning)
             self._peft.delete_adapter(adapter)
 
     def _serving(self) -> Any:
@@ -217,7 +241,7 @@ class HFEngine(HostedTarget):
 
     # -- requests ---------------------------------------------------------------------------
     def handle(self, request: Generate | Score) -> Generation | Scores:
-        from colosync.engines.decoding import generate, score
+        from colosync.decoding import generate, score
 
         with self._serving():
             if isinstance(request, Generate):

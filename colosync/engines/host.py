@@ -84,6 +84,7 @@ class Session:
     opened: float = field(default_factory=time.time)
     peer_pid: bool = False  # the pid came from the kernel (SO_PEERCRED), not from the client
     begun: tuple[UpdateManifest, bytes] | None = None  # its last Begin's manifest and digest (for BeginAgain)
+    taken_over_by: str = ""  # who took this session's ownership away, and when
 
     def begin_again(self, request: BeginAgain) -> Begin:
         """The ``Begin`` a ``BeginAgain`` stands for: this client's last Begin under a new update id."""
@@ -164,10 +165,12 @@ class HostedTarget(EngineTarget):
 
 
 class LinkTransactions:
-    """Transactions forwarded over a ``Link`` (the vLLM workers' Receivers behind collective RPC)."""
+    """Transactions forwarded over a ``Link`` (the vLLM workers' Receivers behind collective RPC);
+    ``on_close`` ends what serves them when the host closes (an engine the host built)."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, on_close: Callable[[], None] | None = None) -> None:
         self.link = link
+        self._on_close = on_close
 
     def handle(self, request: TransactionRequest) -> Ack:
         return self.link.submit(request).wait()
@@ -186,6 +189,8 @@ class LinkTransactions:
 
     def close(self) -> None:
         self.link.close()
+        if self._on_close is not None:
+            self._on_close()
 
 
 def codecs(requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()) -> tuple[Codec, Codec]:
@@ -361,8 +366,16 @@ class EngineHost:
                     "Sender(..., takeover=True), which aborts its in-flight update"
                 )
             if owner is not None:
+                owner.taken_over_by = f"{session.describe()}; taken over at {time.strftime('%H:%M:%S')}"
                 self._release(f"{session.describe()} took it over")
             return  # ownership is granted once the transport opened (_attach)
+        if session.taken_over_by:
+            raise EngineBusyError(
+                f"{type(request).__name__} refused: this sender no longer owns the engine; another sender took it "
+                f"over (Sender(..., takeover=True)): {session.taken_over_by}, and any update this sender had in "
+                "flight was aborted. Nothing it sends changes the engine now: close this Sender. Let one sender "
+                "update the engine; to make this process that sender again, open a new Sender with takeover=True"
+            )
         if owner is None:
             raise EngineBusyError(
                 f"{type(request).__name__} from a sender that does not own this engine (nobody does now): "
@@ -370,12 +383,13 @@ class EngineHost:
             )
         raise EngineBusyError(
             f"{type(request).__name__} refused: this engine is owned by {owner.describe()}, not by this sender; "
-            "a sender that was taken over must reconnect and Attach again"
+            "a Sender attaches on its first push: push through a Sender, or send Attach first"
         )
 
     def _attach(self, request: Attach, session: Session) -> Ack:
         ack = self.transactions.handle(request)  # raises if the transport cannot be opened: no owner then
         self.owner = session
+        session.taken_over_by = ""
         return ack
 
     def _commit(self, request: Commit) -> Ack:

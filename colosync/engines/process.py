@@ -20,13 +20,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
+import re
 import secrets
 import shutil
+import signal
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -36,7 +43,7 @@ from colosync.engines import engine_class
 from colosync.engines.channel import ChannelServer, Deadlines, SocketLink
 from colosync.engines.config import EngineAddress, EngineConfig
 from colosync.engines.host import Session, build_host, codecs
-from colosync.errors import ColosyncError, EngineError, UnsupportedOperation
+from colosync.errors import ColosyncError, ConfigError, EngineError, UnsupportedOperation
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.runtime.participants import MemoryParticipant
@@ -57,9 +64,18 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 def _serve(config_bytes: bytes, ready: Connection) -> None:
+    os.dup2(2, 1)  # what the engine prints is its log (vLLM logs to stdout): the user's stdout stays theirs
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     server: ChannelServer | None = None
+
+    def stop_serving() -> None:
+        if server is None:  # still starting: nothing to hand back yet
+            os._exit(1)
+        server.stop()  # serve() returns and everything below cleans up
+
+    _exit_with_parent(stop_serving)
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_serving())  # EngineProcess's terminate()
 
     services: list[MemoryService] = []
 
@@ -101,6 +117,41 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _exit_with_parent(stop: Callable[[], None], grace_s: float = 30.0) -> None:
+    """Call ``stop`` when the process that started this one exits, however it exits (killed
+    included); end this process ``grace_s`` later if ``stop`` did not."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        log.warning("engine: the process that started it is gone; shutting down")
+        stop()
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="colosync-parent-watch", daemon=True).start()
+
+
+GUARD_HINT = (
+    'start engines from code under `if __name__ == "__main__":`: an engine runs in a spawned process, which '
+    "imports the script that started it again, and an unguarded script would start another engine from there"
+)
+
+
+def _unguarded_main() -> str | None:
+    """The path of the ``__main__`` script when its source has no ``if __name__ == "__main__":`` guard."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        source = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return None if re.search(r"""if\s+__name__\s*==\s*['"]__main__['"]""", source) else path
+
+
 def engine_memory_factory(engine: object) -> Callable[[HostPool], MemoryParticipant]:
     """How a served engine's memory becomes an ``EngineMemory`` once its host pool is known:
     the engine's own ``memory_participant(pool)`` when it has one, vLLM's sleep mode for an
@@ -140,27 +191,42 @@ class EngineProcess:
     ...     sender = Sender(engine.link, transport="shm")
 
     ``engine.address`` is what another process needs to connect (``connect(address, "hf")``).
+
+    The process is not daemonic, so the engine may start processes of its own (vLLM's engine
+    core does); it ends with ``close``, at this process's exit, or by itself once this process
+    is gone (killed included).
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):  # a spawned child re-running an unguarded script
+            raise ConfigError(
+                f"EngineProcess started while a spawned process imported its parent's script; {GUARD_HINT}"
+            )
         self.config = config
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
-            target=_serve, args=(msgspec.msgpack.encode(config), child), name=f"colosync-{config.engine}", daemon=True
+            target=_serve, args=(msgspec.msgpack.encode(config), child), name=f"colosync-{config.engine}", daemon=False
         )
         self._process.start()
+        # Runs at this process's exit before multiprocessing joins its children (a daemon would be terminated there)
+        self._finalizer = mp_util.Finalize(None, _stop, args=(self._process,), exitpriority=10)
         child.close()
         if not parent.poll(start_timeout_s):
-            self._process.terminate()
+            _stop(self._process)
             raise EngineError(f"engine {config.engine!r} did not start within {start_timeout_s}s")
         try:
             first = parent.recv_bytes()
         except EOFError:
             self._process.join(5)
+            unguarded = _unguarded_main()
             raise EngineError(
-                f"engine {config.engine!r} died during start-up (exit code {self._process.exitcode}); its log "
-                "went to this process's stderr (raise EngineConfig.log_level to 'INFO' for more)"
+                f"engine {config.engine!r} died during start-up (exit code {self._process.exitcode}); "
+                + (
+                    f'the script {unguarded} has no `if __name__ == "__main__":` guard, the likely cause: {GUARD_HINT}'
+                    if unguarded
+                    else "its log went to this process's stderr (raise EngineConfig.log_level to 'INFO' for more)"
+                )
             ) from None
         failed = _try_decode(first, Failed)
         if failed is not None:
@@ -204,9 +270,8 @@ class EngineProcess:
             with contextlib.suppress(ColosyncError, OSError):
                 self.link.call(Shutdown())
             self._process.join(timeout_s)
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(timeout_s)
+            _stop(self._process, timeout_s)
+        self._finalizer.cancel()
         self.link.close()
 
     def __enter__(self) -> EngineProcess:
@@ -214,6 +279,17 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop(process: BaseProcess, timeout_s: float = 10.0) -> None:
+    """End ``process``: SIGTERM (it cleans up on the way out), then SIGKILL if it is still there."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+    if process.is_alive():
+        log.warning("engine process %s ignored SIGTERM for %.0f s; killing it", process.pid, timeout_s)
+        process.kill()
+        process.join(timeout_s)
 
 
 def connect(address: EngineAddress, engine: str, name: str = "") -> SocketLink:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colosync.engines.decoding import score
+from colosync.decoding import score
 from colosync.engines.vllm.client import VllmEngine
 from colosync.engines.vllm.worker import WORKER_EXTENSION
 from colosync.errors import ConfigError, IntegrationError

@@ -54,11 +54,19 @@ def delivery_error(update_id: int, why: str, after: Ack) -> DeliveryError:
         )
     else:
         outcome = f"the engine still serves update {update_id}"
-    return DeliveryError(
-        f"update {update_id} committed but failed verification: {why}; {outcome}. Check that "
-        "trainer and engine load the same model and conversion, or raise Probe.tolerance if "
-        "the engine's numerics (dtype, kernels) legitimately differ"
-    )
+    if not after.serving and after.adapter:  # a full update kept an adapter applied on top of itself
+        fix = (
+            f"The engine still applies the LoRA adapter of update {after.adapter} on top of these full weights "
+            "(they were pushed with adapters='keep'), the likely cause if the weights already contain it "
+            "(merge_and_unload): push them with adapters='drop' (the default), which serves exactly the weights "
+            "pushed"
+        )
+    else:
+        fix = (
+            "Check that trainer and engine load the same model and conversion, or raise Probe.tolerance if the "
+            "engine's numerics (dtype, kernels) legitimately differ"
+        )
+    return DeliveryError(f"update {update_id} committed but failed verification: {why}; {outcome}. {fix}")
 
 
 __all__ = ["Deviation", "delivery_error"]

@@ -20,7 +20,7 @@ import torch
 from colosync.errors import ManifestError
 from colosync.wire.bucket import TensorSpec, plan_buckets, typed_views
 from colosync.wire.gather import GatherTable
-from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest, manifest_digest
+from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, UpdateManifest, manifest_digest
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
@@ -79,14 +79,14 @@ class Plan:
         self._views: dict[ViewKey, list[torch.Tensor]] = {}
         self._gap_index: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._gather: dict[tuple[int, torch.device], GatherTable] = {}
-        self._digests: dict[tuple[str, LoraSpec | None], bytes] = {}
+        self._digests: dict[tuple[str, LoraSpec | None, AdapterPolicy], bytes] = {}
 
-    def manifest(self, update_id: int, lora: LoraSpec | None) -> UpdateManifest:
-        return UpdateManifest(update_id, "lora" if lora else "full", self.layout, lora)
+    def manifest(self, update_id: int, lora: LoraSpec | None, adapters: AdapterPolicy = "drop") -> UpdateManifest:
+        return UpdateManifest(update_id, "lora" if lora else "full", self.layout, lora, adapters)
 
     def digest(self, manifest: UpdateManifest) -> bytes:
-        """``manifest_digest`` of one of this plan's manifests, computed once per kind and LoRA spec."""
-        key = (manifest.kind, manifest.lora)
+        """``manifest_digest`` of one of this plan's manifests, computed once per kind, LoRA spec and adapter policy."""
+        key = (manifest.kind, manifest.lora, manifest.adapters)
         found = self._digests.get(key)
         if found is None:
             found = self._digests[key] = manifest_digest(manifest)

@@ -130,6 +130,7 @@ class Receiver:
             highest_update_id=self._highest_update_id,
             serving=self.serving,
             delivery=delivery,
+            adapter=self.target.served_adapter(),
         )
 
     # -- transaction steps ------------------------------------------------------------------
@@ -255,8 +256,8 @@ class Receiver:
             raise
         self._previous = (self.committed_update_id, self.serving)
         self.committed_update_id = update_id
-        if tx.manifest.kind == "full":  # new base weights: what failed closed is replaced (a LoRA cannot fix it)
-            self.serving = True
+        if tx.manifest.kind == "full" and tx.manifest.tensors:
+            self.serving = True  # new base weights: what failed closed is replaced (a LoRA or a bare drop cannot)
         tx.prepared = None  # committed: now owned by the engine, not to be discarded
         self._inflight = None
         self._unstage(tx)

@@ -37,7 +37,7 @@ from colosync.sync.link import Link
 from colosync.sync.pipeline import BucketStreamer, PhaseTimer, SlotPipeline, SyncReport
 from colosync.sync.plan import LayoutChanged, Plan, Plans, StreamSource
 from colosync.wire.bucket import TensorSpec, typed_views
-from colosync.wire.manifest import Layout, LoraSpec, align_up
+from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, align_up
 from colosync.wire.protocol import Abort, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,17 @@ def peft_lora_spec(peft_model: torch.nn.Module, adapter: str = "default") -> Lor
     leaves of the modules the adapter really wraps, and ``layers`` the layer indices they sit
     in when that is not every layer.
     """
-    configs: Any = peft_model.peft_config  # PEFT's {adapter name: LoraConfig}, duck-typed (PEFT is optional)
+    configs: Any = getattr(peft_model, "peft_config", None)  # PEFT's {adapter name: LoraConfig}, duck-typed
+    if not configs:
+        raise ConfigError(
+            f"push_peft needs a PEFT model, and this {type(peft_model).__name__} carries no adapter (no "
+            "peft_config): wrap it with peft.get_peft_model(model, LoraConfig(...)), or push full weights with "
+            "sender.push(model.named_parameters())"
+        )
+    if adapter not in configs:
+        raise ConfigError(
+            f"this PEFT model has no adapter {adapter!r}; it has {sorted(configs)}: pass adapter=<one of them>"
+        )
     cfg = configs[adapter]
     targets = cfg.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
@@ -135,8 +145,8 @@ class Sender:
         self._streamer: BucketStreamer | None = None  # packs into self._transport's slots
         self._next_id: int | None = None
         self._plans = Plans()
-        # (layout, kind, lora) of the engine's last begun and committed update: a BeginAgain repeats it
-        self._begun: tuple[Layout, str, LoraSpec | None] | None = None
+        # (layout, kind, lora, adapters) of the engine's last begun and committed update: a BeginAgain repeats it
+        self._begun: tuple[Layout, str, LoraSpec | None, AdapterPolicy] | None = None
         self._arena: Plan | None = None  # the one plan this Sender may push, if it hosts an arena
 
     # -- public -----------------------------------------------------------------------------
@@ -157,15 +167,21 @@ class Sender:
         lora: LoraSpec | None = None,
         update_id: int | None = None,
         verify: Probe | None = None,
+        adapters: AdapterPolicy = "drop",
     ) -> SyncReport:
         """Send ``named`` as one transaction: a LoRA update if ``lora`` is given, else full weights.
 
-        ``verify``: completions with this trainer's logprobs under the update; the engine scores
-        them after installing it and before serving anything else, and a deviation over the
-        probe's tolerance raises ``DeliveryError`` (a LoRA update rolled back, a full one failed
-        closed). ``report.delivery`` carries the measured deviation, ``report.seconds["verify"]``
-        what it cost the engine.
+        ``verify``: completions with this trainer's logprobs under the update (``Probe.from_model``);
+        the engine scores them after installing it and before serving anything else, and a
+        deviation over the probe's tolerance raises ``DeliveryError`` (a LoRA update rolled back, a
+        full one failed closed). ``report.delivery`` carries the measured deviation,
+        ``report.seconds["verify"]`` what it cost the engine.
+
+        ``adapters`` (full updates): ``"drop"`` (the default) stops serving the engine's LoRA
+        adapter, so the engine serves exactly these weights -- right for full training and for
+        weights with the adapter merged in; ``"keep"`` applies it on top of them.
         """
+        _check_adapters(adapters, lora)
         start = time.perf_counter()
         items = named if isinstance(named, list) else list(named)
         names, tensors = [n for n, _ in items], [t for _, t in items]
@@ -173,13 +189,17 @@ class Sender:
         if last is not None and self._begun is not None and self._begun[0] is last.layout:
             # The layout the engine committed last, by names alone: shapes are checked bucket by bucket.
             try:
-                return self._resync_once(lambda: self._push(last, tensors, None, lora, None, start, verify, check=True))
+                return self._resync_once(
+                    lambda: self._push(last, tensors, None, lora, None, start, verify, adapters, check=True)
+                )
             except (LayoutChanged, UpdateRejected) as exc:  # aborted; the engine may have refused the old layout
                 if self._plans.find(names, tensors, self.bucket_bytes) is last:
                     raise
                 log.info("the tensors' shapes or dtypes changed since the last push (%s); planning again", exc)
         plan = self._plans.find(names, tensors, self.bucket_bytes)
-        return self._resync_once(lambda: self._push(plan, tensors, None, lora, update_id, start, verify), update_id)
+        return self._resync_once(
+            lambda: self._push(plan, tensors, None, lora, update_id, start, verify, adapters), update_id
+        )
 
     def push_stream(
         self,
@@ -188,19 +208,30 @@ class Sender:
         lora: LoraSpec | None = None,
         update_id: int | None = None,
         verify: Probe | None = None,
+        adapters: AdapterPolicy = "drop",
     ) -> SyncReport:
         """Like ``push`` for sources that materialize tensors lazily (memory bounded by a bucket).
 
         ``specs`` lists every tensor's name, shape and dtype up front; ``tensors`` must yield
         them in the same order. (A stream is read once, so a stale id is not retried here.)
         """
+        _check_adapters(adapters, lora)
         start = time.perf_counter()
         # a Plan makes TensorSpecs of them
         normalized: list[tuple[str, Sequence[int], torch.dtype]] = [
             (n, tuple(shape), dtype) for n, shape, dtype in specs
         ]
         plan = self._plans.get(normalized, self.bucket_bytes)
-        return self._push(plan, None, StreamSource(tensors), lora, update_id, start, verify)
+        return self._push(plan, None, StreamSource(tensors), lora, update_id, start, verify, adapters)
+
+    def drop_adapter(self, verify: Probe | None = None) -> SyncReport:
+        """Stop serving the engine's LoRA adapter: the engine serves its base weights again.
+
+        One transaction like any push (an empty full update with ``adapters="drop"``), so it gets
+        an update id, can be verified against the base model (``verify``, a probe of the model
+        without the adapter), and rolls back to the adapter if verification fails.
+        """
+        return self.push([], verify=verify, adapters="drop")
 
     def arena(self, specs: Specs, device: torch.device | str) -> list[torch.Tensor]:
         """Tensors for ``specs`` that live inside the transport's shared buffer (``cuda_ipc``).
@@ -277,6 +308,7 @@ class Sender:
         update_id: int | None,
         start: float,
         verify: Probe | None,
+        adapters: AdapterPolicy,
         check: bool = False,
     ) -> SyncReport:
         """One update of ``plan``; ``check``: the tensors' shapes and dtypes are yet to be checked (``Plan.check``)."""
@@ -295,7 +327,7 @@ class Sender:
         streamer = self._attach(device, plan)
         transport = streamer.transport
         uid = self._claim_update_id(update_id)
-        manifest = plan.manifest(uid, lora)
+        manifest = plan.manifest(uid, lora, adapters)
         timer = PhaseTimer()
         begun, self._begun = self._begun, None  # set again only once this update commits
         try:
@@ -303,7 +335,7 @@ class Sender:
             # manifest the engine began last on this link, a BeginAgain (~40 bytes) instead of the manifest.
             batch = getattr(self.link, "submit_batch", None)
             begin: Begin | BeginAgain = Begin(manifest)
-            if batch is not None and begun == (plan.layout, manifest.kind, lora):
+            if batch is not None and begun == (plan.layout, manifest.kind, lora, adapters):
                 begin = BeginAgain(uid, plan.digest(manifest))
             pipe = SlotPipeline(transport.num_slots, self.link.submit, begin, transport.flush, timer, batch)
             streamer.stream(plan, uid, pipe, tensors, source, check)
@@ -313,7 +345,7 @@ class Sender:
         except BaseException as exc:
             self._abort(uid, exc)
             raise
-        self._begun = (plan.layout, manifest.kind, lora)
+        self._begun = (plan.layout, manifest.kind, lora, adapters)
         seconds = dict(timer.seconds, total=time.perf_counter() - start)
         if ack.delivery is not None and verify is not None:
             seconds["verify"] = ack.delivery.seconds
@@ -380,6 +412,15 @@ class Sender:
             return
         if ack.committed_update_id >= uid:  # the Commit was already on its way and landed
             exc.add_note(f"colosync: the engine did commit update {uid} before this error reached the sender")
+
+
+def _check_adapters(adapters: str, lora: LoraSpec | None) -> None:
+    if adapters not in ("drop", "keep"):
+        raise ConfigError(f"adapters must be 'drop' or 'keep', got {adapters!r}")
+    if lora is not None and adapters != "drop":
+        raise ConfigError(
+            "adapters='keep' is for full updates: a LoRA push replaces the served adapter; leave adapters out"
+        )
 
 
 __all__ = ["Sender", "SyncReport", "peft_lora_spec", "peft_lora_tensors", "DEFAULT_BUCKET_BYTES", "ColosyncError"]

@@ -298,6 +298,15 @@ class EngineTarget(abc.ABC):
         """
         return False
 
+    def served_adapter(self) -> int:
+        """The update id whose LoRA adapter the engine applies now, or 0 when it serves none.
+
+        An engine that serves adapters reports it so every ``Ack`` says what is applied; a full
+        update with ``adapters="drop"`` (``UpdateManifest.drops_adapter``) must leave it at 0 and
+        count the drop in its ``Changes`` (one change expected when an adapter was served).
+        """
+        return 0
+
     def check(self, manifest: UpdateManifest) -> None:  # noqa: B027 - optional hook, no-op by default
         """Engine-specific rejections beyond ``validate_manifest``, before any byte moves.
 
@@ -390,8 +399,9 @@ def _validate_full(tensors: tuple[TensorMeta, ...], spec: ModelSpec) -> None:
             if unwrapped != t.name and unwrapped in spec.params:
                 raise UnknownTensorError(
                     f"full update names {t.name!r}, a PEFT wrapper's name for {unwrapped!r}: push the base model's "
-                    "own names, e.g. sender.push(peft_model.get_base_model().named_parameters()) after "
-                    "merge_and_unload(), or push_peft(peft_model) to send the adapter instead"
+                    "own names, e.g. sender.push(peft_model.merge_and_unload().named_parameters()) for the merged "
+                    "weights (the engine then stops applying its adapter, adapters='drop', so it does not count "
+                    "twice), or push_peft(peft_model) to send the adapter instead"
                 )
             close = [n for n in spec.params if n.endswith(t.name.split(".")[-1])][:3]
             raise UnknownTensorError(

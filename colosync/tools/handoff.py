@@ -98,8 +98,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--sync-staging",
         choices=["device", "host"],
-        help="where a full sync waits for its commit (default device: staged + prepared on the engine's "
-        "device; host: a bounded full update, staged in the arena)",
+        help="where a full sync waits for its commit: host (the default for a full sync, as the hf and vLLM "
+        "engines do: staged in host memory or the arena, one bucket on the device) or device (staged + "
+        "prepared on the engine's device, twice the update there)",
     )
     p.add_argument("--sync-bucket", type=parse_size, help="the sender's bucket (default 64MiB)")
     p.add_argument("--sync-slots", type=int, help="transport slots (default 2)")
@@ -151,6 +152,8 @@ def _sizes_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | No
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.sync is not None:
         overrides["sync_kind"], overrides["sync_bytes"] = args.sync
+        if args.sync[0] == "full" and args.sync_staging is None:
+            overrides["sync_staging"] = "host"  # where colosync's engines stage a full update
     for flag, field in (
         ("sync_transport", "sync_transport"),
         ("sync_bucket", "sync_bucket_bytes"),

@@ -156,13 +156,27 @@ class Layout(msgspec.Struct, frozen=True, cache_hash=True):
         return [t for t in self.tensors if t.bucket == bucket]
 
 
+AdapterPolicy = Literal["drop", "keep"]
+"""What a full update does to the LoRA adapter an engine serves: ``drop`` it (the engine then
+serves exactly the pushed weights) or ``keep`` applying it on top of the new weights."""
+
+
 class UpdateManifest(msgspec.Struct, frozen=True):
-    """Everything the engine must know about an update before its bytes arrive."""
+    """Everything the engine must know about an update before its bytes arrive.
+
+    ``adapters`` says what a full update does to a served LoRA adapter. ``drop`` (the default)
+    is right for the common RL case: the pushed weights are the policy (trained in full, or an
+    adapter merged into them), and applying the old adapter again on top would serve another
+    model. ``keep`` is for jobs that update the base under an adapter trained on top of it. The
+    drop is part of the transaction: an update that does not commit leaves the adapter served.
+    A LoRA update replaces the served adapter, so it takes ``drop`` only.
+    """
 
     update_id: UpdateId
     kind: Literal["lora", "full"]
     layout: Layout
     lora: LoraSpec | None = None
+    adapters: AdapterPolicy = "drop"
 
     def __post_init__(self) -> None:
         if not 0 < self.update_id <= MAX_UPDATE_ID:
@@ -175,6 +189,16 @@ class UpdateManifest(msgspec.Struct, frozen=True):
                 f"kind={self.kind!r} with lora={'set' if self.lora else 'missing'}: a LoRA update "
                 "needs a LoraSpec and a full update must not carry one"
             )
+        if self.kind == "lora" and self.adapters != "drop":
+            raise ManifestError(
+                f"a LoRA update with adapters={self.adapters!r}: a LoRA update replaces the served adapter; "
+                "adapters='keep' is for full updates (it keeps the adapter applied on top of the new weights)"
+            )
+
+    @property
+    def drops_adapter(self) -> bool:
+        """True for a full update that stops serving the engine's LoRA adapter."""
+        return self.kind == "full" and self.adapters == "drop"
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:
@@ -221,11 +245,12 @@ _decoder = msgspec.msgpack.Decoder(UpdateManifest)
 
 
 def manifest_digest(manifest: UpdateManifest) -> bytes:
-    """16 bytes naming everything of ``manifest`` but its ``update_id``: layout, kind and LoRA spec.
+    """16 bytes naming everything of ``manifest`` but its ``update_id``: layout, kind, LoRA spec and
+    adapter policy.
 
     msgpack encodes one struct value one way, so sender and engine compute it alike.
     """
-    encoded = _encoder.encode((manifest.kind, manifest.lora, manifest.layout))
+    encoded = _encoder.encode((manifest.kind, manifest.lora, manifest.adapters, manifest.layout))
     return hashlib.blake2b(encoded, digest_size=16).digest()
 
 

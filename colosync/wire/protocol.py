@@ -11,6 +11,7 @@ integer, length and count is bounded where it is declared and *any* failure to d
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -119,6 +120,29 @@ class Probe(msgspec.Struct, frozen=True):
         if not (self.tolerance > 0 and math.isfinite(self.tolerance)):
             raise ManifestError(f"Probe tolerance must be a positive number, got {self.tolerance}")
 
+    @classmethod
+    def from_model(
+        cls, model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, tolerance: float = 1e-3
+    ) -> Probe:
+        """The probe of the model the trainer is about to push: its greedy completions of ``prompts``
+        and their logprobs, computed the way the hf engine scores (``colosync.decoding``).
+
+        ``model`` is a Hugging Face causal LM, a PEFT model included (then its active adapter
+        counts, as the engine will serve it). For a full update that drops an adapter, probe the
+        merged model (``merge_and_unload()``) or the base model alone.
+        """
+        from colosync.decoding import generate
+
+        if max_new_tokens < 1:
+            raise ManifestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        training = bool(getattr(model, "training", False))
+        model.eval()  # no dropout: the engine scores in eval mode
+        try:
+            completions, logprobs = generate(model, prompts, max_new_tokens)
+        finally:
+            model.train(training)
+        return cls([list(p) for p in prompts], completions, logprobs, tolerance)
+
 
 class Commit(msgspec.Struct, tag="commit", frozen=True):
     update_id: UpdateId
@@ -178,6 +202,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     highest_update_id: int = 0  # the largest id ever begun; a new update must exceed it
     serving: bool = True  # False: failed closed after a full update that did not verify
     delivery: Delivery | None = None
+    adapter: int = 0  # the update whose LoRA adapter the engine applies now; 0: none
 
     def next_update_id(self) -> int:
         return max(self.committed_update_id, self.in_flight_update_id or 0, self.highest_update_id) + 1

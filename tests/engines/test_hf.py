@@ -161,9 +161,36 @@ def test_corrupted_bytes_fail_the_fingerprint(hf_engine, sender, trainer, served
         link.submit(Commit(uid)).wait()
 
 
-def test_an_empty_update_commits_and_changes_nothing(hf_engine, sender):
-    """``push([])`` is how a trainer attaches the transport before a measured window; it must commit."""
+def test_an_empty_update_commits_and_changes_nothing(hf_engine, sender, trainer):
+    """An empty push attaches the transport before a measured window; it must commit, and with
+    ``adapters="keep"`` it leaves the served adapter alone (the default drops it: test_adapters)."""
+    fill_lora(trainer, 21)
+    sender.push_peft(trainer)
     before = hf_engine.call(Generate(PROMPTS, NEW))
-    report = sender.push([])
+    report = sender.push([], adapters="keep")
     assert report.tensors == 0 and report.update_id > 0
     assert hf_engine.call(Generate(PROMPTS, NEW)).tokens == before.tokens
+
+
+def test_a_rollback_leaves_no_peft_warning_for_the_user(tiny_model_dir, recwarn):
+    """PEFT warns when the adapter it last activated is deleted, which a rollback does; the engine
+    activates the served adapter per request, so the warning says nothing to its user."""
+    import warnings
+
+    from colosync.engines.hf import HFEngine
+    from colosync.sync.link import LocalLink
+    from colosync.sync.receiver import ReceiverPolicy
+
+    engine = HFEngine(load_model(tiny_model_dir), max_lora_rank=16)
+    receiver = engine.transactions(ReceiverPolicy())
+    warnings.simplefilter("always")
+    with Sender(LocalLink(receiver), transport="shm") as local:
+        first = local.push_peft(random_lora(load_model(tiny_model_dir), seed=1)).update_id
+        second = local.push_peft(random_lora(load_model(tiny_model_dir), seed=2)).update_id
+        assert engine.handle(Generate(PROMPTS, 2)).update_id == second  # PEFT's active adapter is now this one
+        ack = receiver.revert(second, "a probe failed")
+        assert ack.committed_update_id == first and ack.adapter == first
+        local.push_peft(random_lora(load_model(tiny_model_dir), seed=3))  # retires the adapter kept for revert
+    receiver.close()
+    leaked = [str(w.message) for w in recwarn if "adapter" in str(w.message).lower()]
+    assert not leaked, leaked

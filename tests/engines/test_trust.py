@@ -92,7 +92,10 @@ def test_a_peft_models_wrapped_names_are_refused_with_what_to_push(engine, sende
     before = served(engine)
     wrapped = [(n, p) for n, p in trainer.named_parameters() if "lora_" not in n]
     assert any(".base_layer." in n for n, _ in wrapped)
-    with pytest.raises(UnknownTensorError, match=r"PEFT wrapper's name for 'model\..*get_base_model\(\)"):
+    with pytest.raises(
+        UnknownTensorError,
+        match=r"PEFT wrapper's name for 'model\..*merge_and_unload\(\)\.named_parameters\(\).*adapters='drop'",
+    ):
         sender.push(wrapped)
     assert served(engine) == before
 
@@ -206,3 +209,21 @@ def test_a_stale_sender_resynchronises_once(engine, sender, trainer):
         link.submit(Abort(uid, "test")).wait()
     report = sender.push_peft(trainer)
     assert report.update_id == cached + 3
+
+
+def test_probe_from_model_records_what_the_engine_scores(tiny_model_dir):
+    from colosync.errors import ManifestError
+
+    model = random_lora(load_model(tiny_model_dir), seed=4)
+    model.train()
+    probe = Probe.from_model(model, [[1, 5, 9], [1, 7]], max_new_tokens=5, tolerance=1e-4)
+    assert model.training, "from_model must hand the model back in the mode it found it"
+    assert [len(c) for c in probe.completions] == [5, 5] and probe.tolerance == 1e-4
+    model.eval()
+    scored = score(model, probe.prompts, probe.completions)
+    assert (
+        max(abs(a - b) for xs, ys in zip(scored, probe.logprobs, strict=True) for a, b in zip(xs, ys, strict=True))
+        <= 1e-5
+    )
+    with pytest.raises(ManifestError, match="max_new_tokens must be >= 1"):
+        Probe.from_model(model, [[1, 5]], max_new_tokens=0)

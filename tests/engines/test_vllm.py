@@ -84,7 +84,7 @@ def test_no_lora_request_before_a_lora_commit(vllm_llm):
 
     fresh = VllmEngine(vllm_llm)
     assert all(w.lora_update_id == 0 for w in fresh.workers), "this test must run before any LoRA push"
-    with pytest.raises(EngineError, match="no colosync LoRA has been committed"):
+    with pytest.raises(EngineError, match="serves no colosync LoRA adapter"):
         _ = fresh.lora_request
 
 
@@ -145,12 +145,12 @@ def test_full_weight_update_matches_transformers(vllm_llm, vllm_engine, vllm_sen
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.03)
-    # The engine serves an adapter across the full update: vLLM's reload drops LoRAs, colosync
-    # must put the served one back.
+    # The engine keeps serving an adapter across the full update (adapters="keep"): vLLM's reload
+    # drops LoRAs, colosync must put the served one back.
     lora_seed = 21
     vllm_sender.push_peft(adapter(vllm_model_dir, rank=8, seed=lora_seed, base=original))
     try:
-        report = vllm_sender.push(perturbed.named_parameters())
+        report = vllm_sender.push(perturbed.named_parameters(), adapters="keep")
         assert report.kind == "full"
         outs, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS)
         ref_tokens, ref_logprobs = greedy(perturbed, PROMPTS, NEW)
@@ -400,17 +400,17 @@ def test_full_update_with_a_wrong_probe_fails_closed_until_a_good_one(
     vllm_llm, vllm_engine, vllm_sender, vllm_model_dir, serving
 ):
     original = load_model(vllm_model_dir)
-    # The probe of a full update is scored the way the engine serves by default: with the adapter.
+    # The probe of a full update is scored the way the engine serves by default: with the adapter it keeps.
     good = Probe(PROMPTS, serving.tokens, serving.logprobs, tolerance=TOL)
     wrong = Probe(PROMPTS, serving.tokens, [[lp - 0.5 for lp in row] for row in serving.logprobs], tolerance=TOL)
     with probing(vllm_sender, wrong), pytest.raises(DeliveryError, match="fails closed") as failed:
-        vllm_sender.push(original.named_parameters())
+        vllm_sender.push(original.named_parameters(), adapters="keep")
     assert "a full update cannot be rolled back" in str(failed.value)
     assert not vllm_engine.serving and vllm_engine.link.submit(Status()).wait().serving is False
     with pytest.raises(FailedClosedError, match="push a good update"):
         _ = vllm_engine.lora_request
     with probing(vllm_sender, good) as link:
-        report = vllm_sender.push(original.named_parameters())
+        report = vllm_sender.push(original.named_parameters(), adapters="keep")
     [ack] = link.acks
     assert vllm_engine.serving and ack.serving and ack.committed_update_id == report.update_id
     named = list(original.named_parameters())

@@ -69,7 +69,9 @@ def test_takeover_ends_the_first_owner(fault_engine):
     a.push(fault_engine.updates[other])
     with Sender(fault_engine.engine.connect("successor"), transport="shm", takeover=True) as b:
         b.push(fault_engine.updates[before])
-    with pytest.raises(EngineBusyError, match="does not own this engine|not by this sender"):
+    with pytest.raises(EngineBusyError, match=r"no longer owns the engine; another sender took it over") as told:
         a.push(fault_engine.updates[other])
+    assert "(successor)" in str(told.value) and "taken over at" in str(told.value), str(told.value)
+    assert "close this Sender" in str(told.value)
     a.close()
     fault_engine.healthy({before})

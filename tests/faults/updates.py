@@ -11,7 +11,7 @@ NEW_TOKENS = 6
 
 def update_for(model_dir: str, scale: float = 1.1) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of the tiny model times ``scale``: a full update whose effect is visible."""
-    from colosync.engines.decoding import load_model
+    from colosync.decoding import load_model
 
     model = load_model(model_dir)
     return [(name, (p.detach() * scale).contiguous()) for name, p in model.named_parameters()]
@@ -19,7 +19,7 @@ def update_for(model_dir: str, scale: float = 1.1) -> list[tuple[str, torch.Tens
 
 def reference_tokens(model_dir: str, named: list[tuple[str, torch.Tensor]] | None) -> list[list[int]]:
     """Greedy tokens of the tiny model, with ``named`` applied (None: as loaded)."""
-    from colosync.engines.decoding import greedy, load_model
+    from colosync.decoding import greedy, load_model
 
     model = load_model(model_dir)
     if named is not None:

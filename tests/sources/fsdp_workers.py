@@ -356,7 +356,7 @@ def gpu_worker(rank: int, world: int, model_dir: str, address_bytes: bytes, buck
     link = connect(msgspec.msgpack.decode(address_bytes, type=EngineAddress), "hf")
     try:
         with Sender(link, transport="cuda_ipc", bucket_bytes=bucket_bytes) as sender:
-            sender.push([])  # an empty update: attaches the transport outside the measured window
+            sender.push([], adapters="keep")  # an empty update: attaches the transport outside the measured window
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()

@@ -45,3 +45,15 @@ def test_a_regex_becomes_the_leaves_it_matched(model_dir):
 def test_leaf_names_pass_through(model_dir):
     spec = spec_of(model_dir, ["v_proj", "q_proj"])
     assert spec.target_modules == ("q_proj", "v_proj") and spec.layers is None
+
+
+def test_push_peft_on_a_model_without_an_adapter_names_the_fix(model_dir):
+    from colosync.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"push_peft needs a PEFT model.*get_peft_model.*push\(model\.named_parameters"
+    ):
+        peft_lora_spec(load_model(model_dir))
+    peft_model = get_peft_model(load_model(model_dir), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match=r"no adapter 'policy'; it has \['default'\]: pass adapter="):
+        peft_lora_spec(peft_model, adapter="policy")

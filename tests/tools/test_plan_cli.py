@@ -112,7 +112,14 @@ def test_cli_plan_takes_the_flag_it_recommends(capsys):
 
 
 def test_cli_plan_with_the_sync_json(capsys):
+    # A full sync stages on the host by default, as the hf and vLLM engines do: one bucket on the device.
     assert main(["plan", "--workload", "k3-gb300", "--sync", "full:16GB", "--peak-device", "gpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sizes"]["sync_staging"] == "host"
+    sync = next(r for r in out["modes"]["gpu"]["timeline"] if r["step"] == "sync.weights")
+    assert sync["device_peak"] - sync["device_before"] == 64 << 20
+    full_on_device = ["--sync", "full:16GB", "--sync-staging", "device", "--peak-device", "gpu", "--json"]
+    assert main(["plan", "--workload", "k3-gb300", *full_on_device]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["sizes"]["sync_kind"] == "full" and out["sizes"]["sync_bytes"] == 16 * GB
     rows = out["modes"]["gpu"]["timeline"]

@@ -59,8 +59,9 @@ class _EngineClient:
             raise FailedClosedError(self.link.failed_closed)
         if not self.link.lora_update_id:
             raise EngineError(
-                "no colosync LoRA has been committed to this engine yet; push one "
-                "(Sender(engine.link).push_peft(model)) before generating with it"
+                "this engine serves no colosync LoRA adapter: none was committed yet, or a full update dropped it "
+                "(adapters='drop' is its default); push one (Sender(engine.link).push_peft(model)) before "
+                "generating with it, or generate without a lora_request to use the engine's weights alone"
             )
         return colosync_lora_request()
 

@@ -17,8 +17,9 @@ sends ``Revert`` (the workers' Receivers check the counts themselves too, and re
 replying): a LoRA update is rolled back to the previous adapter, a full one leaves
 the engine failed closed (``serving=False``: ``lora_request`` raises ``FailedClosedError``)
 until an update commits; either way the push fails with ``DeliveryError``. The probe is
-scored the way the engine serves by default: with the committed colosync adapter if there
-is one (also for a full update), else with the base model. The probe runs
+scored the way the engine serves by default: with the colosync adapter the workers apply
+(``Ack.adapter``; a full update drops it unless pushed with ``adapters="keep"``), else with
+the base model. The probe runs
 after resume, so with a synchronous ``LLM`` do not generate from another thread during a
 verified commit (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
 
@@ -129,7 +130,6 @@ class _VllmLinkBase:
         self.committed_update_id = 0
         self.serving = True
         self.failed_closed = ""  # why the engine refuses to serve, while it does
-        self._last_lora: tuple[int, int] | None = None  # (LoRA update committed last, the one before it)
 
     # -- what subclasses provide ------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -218,6 +218,7 @@ class _VllmLinkBase:
             )
         ack = replies[0]
         self.committed_update_id = ack.committed_update_id
+        self.lora_update_id = ack.adapter  # what every reply says the workers apply now
         self._set_serving(all(r.serving for r in replies), ack.committed_update_id)
         return ack
 
@@ -259,9 +260,6 @@ class _VllmLinkBase:
         uid, probe = request.update_id, request.probe
         kind = self._kinds.pop(uid, None)
         ack = self._switch(Commit(uid) if probe is not None else request)  # the workers never see the probe
-        if kind == "lora":
-            self._last_lora = (uid, self.lora_update_id)
-            self.lora_update_id = uid
         delivery = ack.delivery
         if delivery is not None and delivery.changed != delivery.expected:
             unit = "LoRA modules" if kind == "lora" else "layers"
@@ -308,16 +306,7 @@ class _VllmLinkBase:
         raise delivery_error(uid, why, after)
 
     def _revert(self, request: Revert) -> Ack:
-        ack = self._switch(request)
-        if (
-            ack.serving
-            and ack.committed_update_id != request.update_id
-            and self._last_lora is not None
-            and self._last_lora[0] == request.update_id
-        ):
-            self.lora_update_id = self._last_lora[1]  # the adapter served before it is back
-            self._last_lora = None
-        return ack
+        return self._switch(request)
 
 
 class VllmLink(_VllmLinkBase):

@@ -64,7 +64,14 @@ class VllmServing:
     def transactions(self, policy: Any) -> LinkTransactions:
         # The workers' Receivers run with their own default policy; vLLM's collective RPC
         # reaches them only through the worker extension. The host verifies probes itself.
-        return LinkTransactions(self.engine.link)
+        return LinkTransactions(self.engine.link, on_close=self.close)
+
+    def close(self) -> None:
+        """Shut the engine core down (its processes end with it); the host is closing."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # the process is ending anyway; say why it may linger
+            log.exception("vllm engine: shutting the engine core down failed")
 
     def handle(self, request: Generate | Score) -> Generation | Scores:
         if isinstance(request, Generate):

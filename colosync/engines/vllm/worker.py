@@ -107,9 +107,10 @@ class _PreparedLora:
 
 
 class _PreparedFull:
-    def __init__(self, named: list[tuple[str, torch.Tensor]], layers: set[str]) -> None:
+    def __init__(self, named: list[tuple[str, torch.Tensor]], layers: set[str], drop_adapter: bool) -> None:
         self.named = named
         self.layers = layers  # the vLLM layers these HF parameters load into (``_group_of``)
+        self.drop_adapter = drop_adapter  # adapters="drop": stop serving the LoRA adapter at commit
 
 
 def loaded_layers(layers: set[str], loaded: set[str]) -> set[str]:
@@ -248,6 +249,8 @@ class VllmTarget(EngineTarget):
             self._adapter_manager()  # raises if LoRA is off
             self._peft_helper(manifest)  # rank / features against vLLM's LoRA config
             return
+        if not manifest.tensors:
+            return  # changes adapters only (drop_adapter)
         if not self._spec.params:
             raise UpdateRejected(
                 f"full updates need the model's HF layout, which transformers cannot build for "
@@ -321,7 +324,7 @@ class VllmTarget(EngineTarget):
             (name, t if t.dtype == params[name].dtype else t.to(params[name].dtype)) for name, t in tensors.items()
         ]
         self.last_full = full_footprint(manifest, self._host, [*tensors.values(), *(t for _, t in named)])
-        return _PreparedFull(named, {self._group_of(name) for name in tensors})
+        return _PreparedFull(named, {self._group_of(name) for name in tensors}, manifest.drops_adapter)
 
     def staging(self, manifest: UpdateManifest) -> Staging | None:
         return self._host.lend(manifest) if manifest.kind == "full" else None
@@ -376,17 +379,7 @@ class VllmTarget(EngineTarget):
             self._last_commit = ("lora", update_id)
             changes = Changes(placed_lora_modules(self._adapter_manager(), prepared.lora), prepared.expected)
         else:
-            loaded = self._load_full(prepared.named)
-            self._previous, self._last_commit = None, ("full", update_id)  # nothing to revert to
-            covered = loaded_layers(prepared.layers, loaded)
-            changes = Changes(len(covered), len(prepared.layers))
-            if changes.changed != changes.expected:
-                log.warning(
-                    "colosync: full update %d did not load vLLM layers %s (vLLM reported %s)",
-                    update_id,
-                    sorted(prepared.layers - covered)[:8],
-                    sorted(loaded - prepared.layers)[:8],
-                )
+            changes = self._commit_full(prepared, update_id)
         if changes.changed != changes.expected:
             log.warning(
                 "colosync: update %d changed %d of the %d %s its manifest names",
@@ -397,9 +390,38 @@ class VllmTarget(EngineTarget):
             )
         return changes
 
+    def _commit_full(self, prepared: _PreparedFull, update_id: int) -> Changes:
+        """Reload the weights (if any) and, for ``adapters="drop"``, stop serving the adapter."""
+        dropping = prepared.drop_adapter and self._served is not None
+        writes = bool(prepared.named)
+        loaded = self._load_full(prepared.named, restore_adapter=not dropping) if writes else set()
+        covered = loaded_layers(prepared.layers, loaded)
+        changes = Changes(len(covered), len(prepared.layers))
+        if changes.changed != changes.expected:
+            log.warning(
+                "colosync: full update %d did not load vLLM layers %s (vLLM reported %s)",
+                update_id,
+                sorted(prepared.layers - covered)[:8],
+                sorted(loaded - prepared.layers)[:8],
+            )
+        # Adapters only: a revert serves the adapter again. Weights written: nothing to revert to.
+        self._previous, self._last_commit = None, ("adapters" if not writes else "full", update_id)
+        if not writes:
+            self._previous, self._previous_lora_update_id = self._served, self.lora_update_id
+        if dropping:
+            manager = self._adapter_manager()
+            manager.remove_adapter(ADAPTER_ID)
+            self._served, self.lora_update_id = None, 0
+            changes = Changes(changes.changed + (ADAPTER_ID not in manager.list_adapters()), changes.expected + 1)
+        return changes
+
+    def served_adapter(self) -> int:
+        return self.lora_update_id
+
     def revert(self, update_id: int) -> bool:
-        """Serve again the LoRA served before LoRA update ``update_id`` (or none); False for a full update."""
-        if self._last_commit != ("lora", update_id):
+        """Serve again the LoRA served before update ``update_id`` (or none) when that update changed
+        adapters only (a LoRA, or a drop); False for one that wrote the weights."""
+        if self._last_commit not in (("lora", update_id), ("adapters", update_id)):
             return False
         manager = self._adapter_manager()
         previous = self._previous
@@ -438,8 +460,10 @@ class VllmTarget(EngineTarget):
         manager.add_adapter(lora)  # packs q/k/v, gate/up and folds scaling once
         manager.pin_adapter(ADAPTER_ID)  # activate into a slot; never evicted by the LRU
 
-    def _load_full(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
-        """Reload ``named`` in place; returns the vLLM layers ``load_weights`` loaded."""
+    def _load_full(self, named: list[tuple[str, torch.Tensor]], restore_adapter: bool = True) -> set[str]:
+        """Reload ``named`` in place; returns the vLLM layers ``load_weights`` loaded.
+
+        ``restore_adapter``: put the served adapter back (the reload drops every registered LoRA)."""
         runner = self.worker.model_runner
         model: Any = self._model()  # vLLM's model class: load_weights is its own method, wrapped below
         loaded: set[str] = set()
@@ -465,7 +489,7 @@ class VllmTarget(EngineTarget):
         return_cached(self._device)  # what the reload materialized per layer goes back to the driver
         layers = {name.replace(".base_layer.", ".").rpartition(".")[0] for name in loaded}
         self._refresh_tied(model, layers)
-        if self._served is not None:
+        if self._served is not None and restore_adapter:
             self._add_and_pin(self._adapter_manager(), self._served)
         return layers
 
