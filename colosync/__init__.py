@@ -7,7 +7,6 @@ side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
 
-from colosync import _compat
 from colosync.errors import (
     ColosyncError,
     ConfigError,
@@ -32,17 +31,15 @@ from colosync.errors import (
     UpdateTimeoutError,
 )
 from colosync.sync.link import Link, LocalLink
-from colosync.sync.receiver import Receiver, ReceiverPolicy
+from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
-from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec
+from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, ReceiverPolicy
 from colosync.wire.bucket import TensorSpec
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, UpdateManifest
 from colosync.wire.protocol import Probe
 from colosync.workloads import WORKLOADS_DIR
 
 __version__ = "0.2.0"
-
-_compat.install()  # colosync 0.1's module paths (colosync.sender, ...) keep working for one release
 
 
 __all__ = [

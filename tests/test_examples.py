@@ -30,12 +30,3 @@ def test_example_runs(example):
 def test_the_readme_shows_the_example_as_it_is(example):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     assert example.read_text() in blocks, f"the README's block for {example.name} differs from the file"
-
-
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_examples_import_only_current_paths(example):
-    from colosync._compat import MOVED
-
-    source = example.read_text()
-    old = [name for name in MOVED if re.search(rf"\b(from|import) {re.escape(name)}\b", source)]
-    assert not old, f"{example.name} imports 0.1 paths {old}; use the new homes (README: where 0.1's modules went)"

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "colosync"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_compat"),
+    ("errors",),
     ("workloads", "decoding"),
     ("wire",),
     ("transports",),
@@ -151,3 +151,75 @@ def test_the_rule_catches_a_violation(tmp_path, monkeypatch, source, message):
         assert any(message in v and "_layer_probe" in v for v in violations())
     finally:
         bad.unlink()
+
+
+# -- inside a package: no circle ------------------------------------------------------------
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def internal_edges() -> dict[str, set[str]]:
+    """Every colosync module each module imports, anywhere in it (functions and TYPE_CHECKING included):
+    ``from a.b import c`` counts as ``a.b.c`` when that is a module, else as ``a.b``."""
+    paths = {module_name(p): p for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in paths else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (its strongly connected parts of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    found = circles(internal_edges())
+    assert not found, "import circles (break each by moving what both need below them):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_circle_rule_catches_a_type_only_circle():
+    a, b = ROOT / "wire" / "_circle_a.py", ROOT / "wire" / "_circle_b.py"
+    a.write_text("from colosync.wire import _circle_b\n")
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from colosync.wire._circle_a import x\n")
+    try:
+        assert ["colosync.wire._circle_a", "colosync.wire._circle_b"] in circles(internal_edges())
+    finally:
+        a.unlink()
+        b.unlink()

@@ -104,6 +104,7 @@ class ChannelServer:
         self._turn = _Turns()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()  # stop() wakes the accepting thread
+        self._signalled = False  # set by stop_from_signal (no lock may be taken in a signal handler)
         self._lock = threading.Lock()  # guards _clients
         self._clients: dict[socket.socket, threading.Thread] = {}
 
@@ -117,6 +118,13 @@ class ChannelServer:
         """Ask the server to stop (thread-safe, also from inside ``handle``); ``serve`` returns once
         every connection has ended. A request being handled still gets its reply."""
         self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def stop_from_signal(self) -> None:
+        """``stop`` for a signal handler, which runs between two bytecodes of the serving thread and
+        so must take no lock that thread may hold (``Event.set`` does): a flag and a wake-up."""
+        self._signalled = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
@@ -136,10 +144,11 @@ class ChannelServer:
             with selectors.DefaultSelector() as selector:
                 selector.register(listener, selectors.EVENT_READ)
                 selector.register(self._wake_r, selectors.EVENT_READ)
-                while not self._stopping.is_set():
+                while not (self._stopping.is_set() or self._signalled):
                     if any(key.fileobj is listener for key, _ in selector.select()):
                         self._accept(listener)
         finally:
+            self._stopping.set()  # also for a stop_from_signal: the tick thread and waits end
             listener.close()
             self._end_clients()
             if ticker is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from colosync.errors import ManifestError
-from colosync.sync.receiver import ReceiverPolicy
+from colosync.sync.target import ReceiverPolicy
 
 
 class EngineConfig(msgspec.Struct, frozen=True):

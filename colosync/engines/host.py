@@ -12,9 +12,9 @@ It also decides who may update the engine. Clients arrive as sessions (a connect
 caller); the first to ``Attach`` owns the update channel, and another is refused with
 ``EngineBusyError`` naming the owner, until the owner disconnects, dies (its pid is watched)
 or is explicitly taken over. A session that ends takes only its own in-flight update with
-it. And it turns a ``Commit`` that carries a ``Probe`` into a verified commit: install, score
-the probe with the engine's own serving code before anything else is served, and roll back
-(LoRA) or fail closed (full) on a mismatch.
+it. And it turns a ``Commit`` that carries a ``Probe`` into a verified commit
+(``sync.delivery.verified_commit``, the sequence the vLLM link runs too), the probe scored by
+the engine's own serving code before anything else is served.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from colosync.errors import (
     ManifestError,
     UnknownLayoutError,
 )
-from colosync.sync.delivery import Deviation, delivery_error
+from colosync.sync.delivery import verified_commit
 from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget
@@ -58,11 +58,10 @@ from colosync.wire.protocol import (
     BeginAgain,
     Codec,
     Commit,
-    Delivery,
     Detach,
     Failed,
     Hello,
-    Revert,
+    Probe,
     Status,
     TransactionRequest,
 )
@@ -226,6 +225,7 @@ class EngineHost:
         requests = (Hello, *(engine.requests if engine else ()), *self.handlers)
         self.request_codec, self.reply_codec = codecs(requests, engine.replies if engine else ())
         self.owner: Session | None = None
+        self._displaced: Session | None = None  # the owner an Attach with takeover released, until it attaches
         self.serving = True
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -365,10 +365,8 @@ class EngineHost:
                     "a time; wait until it closes or exits (ownership is released at once), or take over with "
                     "Sender(..., takeover=True), which aborts its in-flight update"
                 )
-            if owner is not None:
-                owner.taken_over_by = f"{session.describe()}; taken over at {time.strftime('%H:%M:%S')}"
-                self._release(f"{session.describe()} took it over")
-            return  # ownership is granted once the transport opened (_attach)
+            self._displaced = owner  # released, and told so, once the taker's transport opened (_attach)
+            return
         if session.taken_over_by:
             raise EngineBusyError(
                 f"{type(request).__name__} refused: this sender no longer owns the engine; another sender took it "
@@ -387,45 +385,32 @@ class EngineHost:
         )
 
     def _attach(self, request: Attach, session: Session) -> Ack:
-        ack = self.transactions.handle(request)  # raises if the transport cannot be opened: no owner then
+        displaced, self._displaced = self._displaced, None
+        # Raises if the transport cannot be opened: the owner, if any, then keeps the engine. With
+        # takeover, the Receiver aborts the owner's in-flight update and drops its transport itself.
+        ack = self.transactions.handle(request)
         self.owner = session
         session.taken_over_by = ""
+        if displaced is not None:
+            displaced.taken_over_by = f"{session.describe()}; taken over at {time.strftime('%H:%M:%S')}"
+            log.info("engine: %s took it over from %s", session.describe(), displaced.describe())
         return ack
 
     def _commit(self, request: Commit) -> Ack:
-        probe = request.probe
-        if probe is not None and (self.engine is None or Score not in self.engine.requests):
+        if request.probe is not None and (self.engine is None or Score not in self.engine.requests):
             raise ConfigError(  # refused before anything is installed; the Sender aborts the update
                 "this engine cannot score a probe (it serves no Score requests); push without verify=, or use "
                 "an engine that scores (hf, vllm)"
             )
-        ack = self.transactions.handle(Commit(request.update_id))
-        if probe is None or self.engine is None:
-            return ack
-        started = time.perf_counter()
-        why: str | None
-        try:
-            scores = self.engine.handle(Score(probe.prompts, probe.completions))
-            if not isinstance(scores, Scores) or scores.update_id != request.update_id:
-                why = f"the probe was scored by update {getattr(scores, 'update_id', '?')}"
-                deviation = None
-            else:
-                deviation = Deviation(probe, scores.logprobs)
-                why = None if deviation.within(probe.tolerance) else f"{deviation} > tolerance {probe.tolerance:g}"
-        except Exception as exc:  # an unscored update is an unverified one: revert it like a mismatch
-            log.exception("engine: scoring the probe of update %d failed", request.update_id)
-            why, deviation = f"scoring the probe failed: {type(exc).__name__}: {exc}", None
-        if why is not None:
-            after = self.transactions.handle(Revert(request.update_id, why))
-            self.serving = after.serving
-            raise delivery_error(request.update_id, why, after)
-        checked = ack.delivery or Delivery(changed=0, expected=0)
-        return msgspec.structs.replace(
-            ack,
-            delivery=msgspec.structs.replace(
-                checked, max_deviation=deviation.value if deviation else None, seconds=time.perf_counter() - started
-            ),
-        )
+        return verified_commit(self.transactions.handle, request, self._score)
+
+    def _score(self, probe: Probe) -> tuple[list[list[float]], set[int]]:
+        """The engine's own serving code scores the probe (checked by ``_commit`` to serve ``Score``)."""
+        assert self.engine is not None
+        scores = self.engine.handle(Score(probe.prompts, probe.completions))
+        if not isinstance(scores, Scores):
+            raise EngineError(f"the engine answered Score with {type(scores).__name__}")
+        return scores.logprobs, {scores.update_id}
 
     def _status_after(self, exc: ColosyncError) -> Ack | None:
         try:
@@ -452,14 +437,6 @@ def _not_a_transaction_reply(reply: msgspec.Struct) -> Failed:
     return Failed.from_exception(EngineError(f"a batched request was answered with {type(reply).__name__}"))
 
 
-def build_host(config: Any, handlers: dict[type, Callable[[Any, Session], msgspec.Struct]] | None = None) -> EngineHost:
-    """The host for an ``EngineConfig``: the registry's engine class, built from the config."""
-    from colosync.engines import engine_class
-
-    engine = engine_class(config.engine).from_config(config)
-    return EngineHost(engine.transactions(config.policy()), engine, handlers)
-
-
 __all__ = [
     "EngineHost",
     "HostedTarget",
@@ -467,6 +444,5 @@ __all__ = [
     "ServedEngine",
     "Session",
     "Transactions",
-    "build_host",
     "codecs",
 ]

@@ -39,10 +39,10 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.engines import engine_class
+from colosync.engines import build_host, engine_class
 from colosync.engines.channel import ChannelServer, Deadlines, SocketLink
 from colosync.engines.config import EngineAddress, EngineConfig
-from colosync.engines.host import Session, build_host, codecs
+from colosync.engines.host import Session, codecs
 from colosync.errors import ColosyncError, ConfigError, EngineError, UnsupportedOperation
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.backends.host_pool import HostPool
@@ -69,10 +69,13 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     server: ChannelServer | None = None
 
+    os.setpgrp()  # a group of its own, with whatever the engine starts (vLLM's engine core): ended together
+
     def stop_serving() -> None:
-        if server is None:  # still starting: nothing to hand back yet
-            os._exit(1)
-        server.stop()  # serve() returns and everything below cleans up
+        if server is None:  # still starting: nothing to clean up but the processes the engine started
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        else:
+            server.stop_from_signal()  # serve() returns and everything below cleans up
 
     _exit_with_parent(stop_serving)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_serving())  # EngineProcess's terminate()
@@ -119,17 +122,19 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
 
 def _exit_with_parent(stop: Callable[[], None], grace_s: float = 30.0) -> None:
     """Call ``stop`` when the process that started this one exits, however it exits (killed
-    included); end this process ``grace_s`` later if ``stop`` did not."""
-    parent = mp.parent_process()
-    if parent is None:
-        return
+    included); end this process's group ``grace_s`` later if ``stop`` did not.
+
+    The parent is watched by polling who the parent is (an orphan is re-parented), not through
+    a pipe, whose end a process the trainer forks (a DataLoader worker) would keep open."""
+    parent = os.getppid()
 
     def watch() -> None:
-        parent.join()
+        while os.getppid() == parent:
+            time.sleep(0.5)
         log.warning("engine: the process that started it is gone; shutting down")
         stop()
         time.sleep(grace_s)
-        os._exit(1)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="colosync-parent-watch", daemon=True).start()
 
@@ -286,9 +291,10 @@ def _stop(process: BaseProcess, timeout_s: float = 10.0) -> None:
     if process.is_alive():
         process.terminate()
         process.join(timeout_s)
-    if process.is_alive():
-        log.warning("engine process %s ignored SIGTERM for %.0f s; killing it", process.pid, timeout_s)
-        process.kill()
+    if process.is_alive() and process.pid is not None:
+        log.warning("engine process %s ignored SIGTERM for %.0f s; killing it and its group", process.pid, timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # the engine leads its group (os.setpgrp in _serve)
         process.join(timeout_s)
 
 

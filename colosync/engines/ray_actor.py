@@ -18,9 +18,9 @@ import msgspec
 import psutil
 import torch
 
-from colosync.engines import engine_class
+from colosync.engines import build_host, engine_class
 from colosync.engines.config import EngineConfig
-from colosync.engines.host import build_host, codecs
+from colosync.engines.host import codecs
 from colosync.engines.process import engine_memory_factory
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.runtime.remote import MEMORY_REPLIES, MEMORY_REQUESTS, MemoryService, RemoteEngineMemory

@@ -27,6 +27,7 @@ from colosync.errors import ConfigError, ConversionError, PeerFailedError
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
+    from colosync.wire.manifest import AdapterPolicy
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,11 @@ class Source(Protocol):
         """Collective: every rank iterates it to the end; tensors come out on sending ranks only."""
         ...
 
-    def push(self, sender: Sender | None, update_id: int | None = None) -> SyncReport | None:
-        """Collective: one update through ``sender`` on each sending rank; raises on every rank if any failed."""
+    def push(
+        self, sender: Sender | None, update_id: int | None = None, adapters: AdapterPolicy = "drop"
+    ) -> SyncReport | None:
+        """Collective: one update through ``sender`` on each sending rank; raises on every rank if any failed.
+        ``adapters``: what a full update does to the adapter the engine serves (``Sender.push``)."""
         ...
 
 

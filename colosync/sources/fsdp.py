@@ -61,7 +61,7 @@ from colosync.wire.manifest import align_up
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
-    from colosync.wire.manifest import LoraSpec
+    from colosync.wire.manifest import AdapterPolicy, LoraSpec
     from colosync.wire.protocol import Probe
 
 log = logging.getLogger(__name__)
@@ -236,9 +236,14 @@ class FsdpSource:
         return self._stream(locals_, [self.is_sender])
 
     def push(
-        self, sender: Sender | None, update_id: int | None = None, verify: Probe | None = None
+        self,
+        sender: Sender | None,
+        update_id: int | None = None,
+        verify: Probe | None = None,
+        adapters: AdapterPolicy = "drop",
     ) -> SyncReport | None:
-        """Collective: one update through ``sender`` on each rank the ``EngineMap`` names.
+        """Collective: one update through ``sender`` on each rank the ``EngineMap`` names
+        (``adapters``: what a full update does to a served adapter, as in ``Sender.push``).
 
         Sending ranks pass their ``Sender`` (made with ``bucket_bytes=source.bucket_bytes``),
         others ``None``. Returns the ``SyncReport`` where a Sender sent, ``None`` elsewhere;
@@ -267,7 +272,9 @@ class FsdpSource:
         report = None
         if self.is_sender and sender is not None:
             try:
-                report = sender.push_stream(self.specs(), stream, lora=self.lora, update_id=update_id, verify=verify)
+                report = sender.push_stream(
+                    self.specs(), stream, lora=self.lora, update_id=update_id, verify=verify, adapters=adapters
+                )
             except BaseException as exc:  # re-raised by outcome(), once every rank has left the gathers
                 error = exc
                 sending[0] = False  # keep gathering, stop copying out

@@ -63,6 +63,7 @@ from colosync.sources.architectures.naming import ParamKey, index_params
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
+    from colosync.wire.manifest import AdapterPolicy
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,9 @@ class MegatronSource:
                 yield name, tensor
         self.stats.seconds = time.perf_counter() - start
 
-    def push(self, sender: Sender | None, update_id: int | None = None) -> SyncReport | None:
+    def push(
+        self, sender: Sender | None, update_id: int | None = None, adapters: AdapterPolicy = "drop"
+    ) -> SyncReport | None:
         """Collective: send one update through ``sender`` on the sender rank.
 
         The sender rank must pass its ``Sender``; other ranks pass ``None`` (a ``Sender``
@@ -299,7 +302,7 @@ class MegatronSource:
                         "source.is_sender is True"
                     )
                 lora = self.ctx.lora if self.ctx.kind == "lora" else None
-                report = sender.push_stream(self.specs(), stream, lora=lora, update_id=update_id)
+                report = sender.push_stream(self.specs(), stream, lora=lora, update_id=update_id, adapters=adapters)
             except BaseException as exc:  # re-raised below, after the other ranks are released
                 error = exc
         elif sender is not None:

@@ -10,6 +10,7 @@ architecture declares the rest). This module re-exports them so that code writte
 from __future__ import annotations
 
 from colosync.errors import ConversionError
+from colosync.sources.architectures import get as get_architecture
 from colosync.sources.architectures.base import (
     HF_PARTS,
     LORA_SLOTS,
@@ -20,7 +21,6 @@ from colosync.sources.architectures.base import (
     Role,
     Slot,
     Split,
-    get_architecture,
     hf_module,
 )
 from colosync.sources.architectures.context import ConversionContext, DtypePolicy

@@ -32,7 +32,7 @@ from colosync.sources.base import Agreement, EngineMap, Spec, global_rank
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
-    from colosync.wire.manifest import LoraSpec
+    from colosync.wire.manifest import AdapterPolicy, LoraSpec
     from colosync.wire.protocol import Probe
 
 log = logging.getLogger(__name__)
@@ -199,9 +199,14 @@ class PlainSource:
             yield e.name, t if self.dtype is None else t.to(self.dtype)
 
     def push(
-        self, sender: Sender | None, update_id: int | None = None, verify: Probe | None = None
+        self,
+        sender: Sender | None,
+        update_id: int | None = None,
+        verify: Probe | None = None,
+        adapters: AdapterPolicy = "drop",
     ) -> SyncReport | None:
-        """On every rank: the ``EngineMap``'s ranks push through their ``sender``; all raise if one failed."""
+        """On every rank: the ``EngineMap``'s ranks push through their ``sender``; all raise if one failed.
+        ``adapters``: what a full update does to a served adapter (``Sender.push``)."""
         error: BaseException | None = None
         report = None
         if self.is_sender:
@@ -211,7 +216,9 @@ class PlainSource:
                         f"rank {self.rank} feeds engine {self.engines.engine_of(self.rank)} but got sender=None; "
                         "create the Sender on the ranks where source.is_sender is True"
                     )
-                report = sender.push(list(self.tensors()), lora=self.lora, update_id=update_id, verify=verify)
+                report = sender.push(
+                    list(self.tensors()), lora=self.lora, update_id=update_id, verify=verify, adapters=adapters
+                )
             except BaseException as exc:  # re-raised by outcome(), after the other ranks learn of it
                 error = exc
         elif sender is not None:

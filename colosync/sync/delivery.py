@@ -5,17 +5,24 @@ stale prepacked weights, or install them into the wrong modules). So a ``Probe``
 with the ``Commit``: completions with the trainer's own logprobs. The engine scores them
 right after installing the update, before it serves anything else, and the largest
 deviation decides: within tolerance the update stands; beyond it a LoRA update is rolled
-back and a full update fails closed. This module holds the comparison and the wording, so
-every engine reports a failed delivery the same way.
+back and a full update fails closed. This module holds that sequence (``verified_commit``),
+the comparison and the wording, so every engine -- a host in front of a Receiver, the vLLM
+link in front of its workers -- verifies, reverts and reports a failed delivery the same way.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
-from colosync.errors import DeliveryError
-from colosync.wire.protocol import Ack, Probe
+import msgspec
+
+from colosync.errors import ColosyncError, DeliveryError
+from colosync.wire.protocol import Ack, Commit, Delivery, Probe, Revert
+
+log = logging.getLogger(__name__)
 
 
 class Deviation:
@@ -54,7 +61,7 @@ def delivery_error(update_id: int, why: str, after: Ack) -> DeliveryError:
         )
     else:
         outcome = f"the engine still serves update {update_id}"
-    if not after.serving and after.adapter:  # a full update kept an adapter applied on top of itself
+    if not after.serving and after.adapter and after.committed_update_id == update_id:  # a full update kept one
         fix = (
             f"The engine still applies the LoRA adapter of update {after.adapter} on top of these full weights "
             "(they were pushed with adapters='keep'), the likely cause if the weights already contain it "
@@ -69,4 +76,55 @@ def delivery_error(update_id: int, why: str, after: Ack) -> DeliveryError:
     return DeliveryError(f"update {update_id} committed but failed verification: {why}; {outcome}. {fix}")
 
 
-__all__ = ["Deviation", "delivery_error"]
+Scorer = Callable[[Probe], tuple[Sequence[Sequence[float]], set[int]]]
+"""``probe -> (the engine's logprob of every completion token, the updates that computed them)``."""
+
+
+def verified_commit(apply: Callable[[Commit | Revert], Ack], commit: Commit, score: Scorer) -> Ack:
+    """Commit ``commit`` through ``apply`` and, if it carries a probe, prove it: the one sequence every engine runs.
+
+    ``apply`` takes a transaction request to the engine's Receiver(s) and returns their ``Ack``
+    (a host calls its Receiver, the vLLM link pauses, calls every worker, labels and resumes).
+    The Receiver checks the structural count itself and reverts a shortfall before it replies;
+    this adds the probe: scored by ``score`` right after the commit, before anything else is
+    served, by the update just committed and no other, within the probe's tolerance. Otherwise
+    the update is reverted (a LoRA rolls back, a full update fails closed) and the
+    ``DeliveryError`` says what the engine serves now. The probe never reaches the Receiver.
+    """
+    uid, probe = commit.update_id, commit.probe
+    ack = apply(Commit(uid))
+    if probe is None:
+        return ack
+    started = time.perf_counter()
+    deviation: Deviation | None = None
+    try:
+        logprobs, versions = score(probe)
+        if versions != {uid}:
+            why: str | None = f"the probe was scored by updates {sorted(versions)}, not {uid}"
+        else:
+            deviation = Deviation(probe, logprobs)
+            why = (
+                None
+                if deviation.within(probe.tolerance)
+                else f"{deviation}, over the probe's tolerance {probe.tolerance:g}"
+            )
+    except Exception as exc:  # an unscored update is an unverified one: revert it like a mismatch
+        log.exception("update %d: scoring the probe failed", uid)
+        why = f"scoring the probe failed ({type(exc).__name__}: {exc})"
+    if why is not None:
+        log.error("update %d failed verification: %s; reverting it", uid, why)
+        try:
+            after = apply(Revert(uid, why))
+        except ColosyncError as exc:
+            raise DeliveryError(
+                f"update {uid} committed but failed verification: {why}; reverting it failed too "
+                f"({type(exc).__name__}: {exc}): restart the engine, then push a good update"
+            ) from exc
+        raise delivery_error(uid, why, after)
+    checked = ack.delivery or Delivery(changed=0, expected=0)
+    seconds = time.perf_counter() - started
+    value = deviation.value if deviation is not None else None
+    return msgspec.structs.replace(ack, delivery=msgspec.structs.replace(checked, max_deviation=value, seconds=seconds))
+
+
+__all__ = ["Deviation", "Scorer", "delivery_error", "verified_commit"]

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteError, TransactionStateError
-from colosync.sync.target import Staging
+from colosync.sync.target import ReceiverPolicy, Staging
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
 from colosync.wire import fused
 from colosync.wire.bucket import tensor_views, typed_views
@@ -76,7 +76,6 @@ from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
 
 if TYPE_CHECKING:
-    from colosync.sync.receiver import ReceiverPolicy
     from colosync.transports.base import ReceiverTransport
 
 SLOT = "slot"

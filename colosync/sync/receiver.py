@@ -32,7 +32,7 @@ from colosync.errors import (
 )
 from colosync.sync.delivery import delivery_error
 from colosync.sync.landing import Lander, Landing
-from colosync.sync.target import EngineTarget, untie, validate_manifest
+from colosync.sync.target import EngineTarget, ReceiverPolicy, untie, validate_manifest
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import (
     Abort,
@@ -50,15 +50,6 @@ from colosync.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReceiverPolicy:
-    """What the engine accepts. Defaults are the safe ones."""
-
-    reject_nonfinite: bool = True
-    verify_fingerprints: bool = True
-    timeout_s: float = 60.0
 
 
 @dataclass

@@ -33,6 +33,15 @@ from colosync.wire.manifest import LoraSpec, TensorMeta, UpdateManifest
 
 
 @dataclass(frozen=True)
+class ReceiverPolicy:
+    """What the engine accepts, checked as each bucket lands and by the Receiver's clock. Defaults are safe."""
+
+    reject_nonfinite: bool = True
+    verify_fingerprints: bool = True
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype

@@ -190,7 +190,11 @@ def test_a_rollback_leaves_no_peft_warning_for_the_user(tiny_model_dir, recwarn)
         assert engine.handle(Generate(PROMPTS, 2)).update_id == second  # PEFT's active adapter is now this one
         ack = receiver.revert(second, "a probe failed")
         assert ack.committed_update_id == first and ack.adapter == first
-        local.push_peft(random_lora(load_model(tiny_model_dir), seed=3))  # retires the adapter kept for revert
+        third = local.push_peft(random_lora(load_model(tiny_model_dir), seed=3)).update_id
+        assert set(engine._peft.peft_config) == {f"u{first}", f"u{third}"}, "the served one and the one to revert to"
+        local.drop_adapter()  # keeps the adapter it dropped, to revert to
+        fifth = local.push_peft(random_lora(load_model(tiny_model_dir), seed=4)).update_id  # nothing served before it
+        assert set(engine._peft.peft_config) == {f"u{fifth}"}, f"adapters leak: {sorted(engine._peft.peft_config)}"
     receiver.close()
     leaked = [str(w.message) for w in recwarn if "adapter" in str(w.message).lower()]
     assert not leaked, leaked

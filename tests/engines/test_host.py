@@ -167,6 +167,24 @@ def test_an_attach_that_cannot_open_its_transport_leaves_no_owner():
     assert isinstance(reply, Failed) and host.owner is None
 
 
+def test_a_takeover_that_cannot_open_its_transport_tells_the_old_owner_nothing():
+    host = EngineHost(Receiver(StoreEngine()))
+    owner, taker = host.open_session(), host.open_session()
+    transport = ShmSender(1 << 16, 1, torch.device("cpu"))
+    try:
+        assert not isinstance(host.handle(Attach("shm", transport.handle()), owner), Failed)
+        failed = host.handle(Attach("shm", b"\x93\xa4nope\x01\x01", takeover=True), taker)
+        assert isinstance(failed, Failed) and host.owner is owner  # a takeover that failed takes nothing
+        reply = host.handle(Prepare(1), owner)  # refused as out of order, not for ownership
+        assert isinstance(reply, Failed) and reply.error == "TransactionStateError", reply.message
+        assert not isinstance(host.handle(Attach("shm", transport.handle(), takeover=True), taker), Failed)
+        reply = host.handle(Prepare(1), owner)
+        assert isinstance(reply, Failed) and "another sender took it over" in reply.message, reply.message
+    finally:
+        host.close()
+        transport.close()
+
+
 def test_a_batch_is_each_request_as_if_alone_and_a_bad_stage_commits_nothing(rig):
     """Stage, Prepare and Commit in one ``Batch``: a good one commits; in one whose Stage carries a
     wrong fingerprint the Stage is refused, Prepare and Commit are refused as they would be alone,

@@ -7,6 +7,7 @@ user's program: its exit, its death by SIGKILL, its missing guard.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -48,11 +49,17 @@ def run_script(tmp_path: Path, then: str, guarded: bool = True, wait: bool = Tru
 
 
 def gone_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` ends within ``seconds``; if not, it is killed here (a failed test leaves no orphan)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
             return True
         time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)  # the engine leads its own group
     return False
 
 

@@ -11,20 +11,16 @@ version, and vLLM's own ``weight_versions`` on each output say which (``version_
 
 Verified commits. A ``Commit`` carrying a ``Probe`` goes to the workers without it; after
 resume the link scores the probe itself (``score_completions``, the scoring ``VllmServing``
-uses too) and compares with the trainer's logprobs (``Deviation``). The workers' count of
-what changed (``Ack.delivery``) must match what the manifest names. On a mismatch the link
-sends ``Revert`` (the workers' Receivers check the counts themselves too, and revert before
-replying): a LoRA update is rolled back to the previous adapter, a full one leaves
-the engine failed closed (``serving=False``: ``lora_request`` raises ``FailedClosedError``)
-until an update commits; either way the push fails with ``DeliveryError``. The probe is
-scored the way the engine serves by default: with the colosync adapter the workers apply
-(``Ack.adapter``; a full update drops it unless pushed with ``adapters="keep"``), else with
-the base model. The probe runs
-after resume, so with a synchronous ``LLM`` do not generate from another thread during a
-verified commit (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
-
-One module (~440 lines): the synchronous and the async link share one base whose commit, verify
-and revert choreography must read as one sequence.
+uses too) and runs the same sequence as a host (``sync.delivery.verified_commit``): each
+worker's Receiver checks what its commit changed and reverts a shortfall before it replies,
+and a probe that deviates sends ``Revert`` to every worker. A LoRA update is rolled back to
+the previous adapter, a full one leaves the engine failed closed (``serving=False``:
+``lora_request`` raises ``FailedClosedError``) until an update commits; either way the push
+fails with ``DeliveryError``. The probe is scored the way the engine serves by default: with
+the colosync adapter the workers apply (``Ack.adapter``; a full update drops it unless pushed
+with ``adapters="keep"``), else with the base model. The probe runs after resume, so with a
+synchronous ``LLM`` do not generate from another thread during a verified commit
+(``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,9 +37,9 @@ import msgspec
 from colosync.engines.host import codecs
 from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, WORKER_EXTENSION, WorkerInfo
 from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError, FailedClosedError
-from colosync.sync.delivery import Deviation, delivery_error
+from colosync.sync.delivery import verified_commit
 from colosync.sync.link import Done
-from colosync.wire.protocol import Ack, Begin, Commit, Delivery, Failed, Probe, Revert, Status, TransactionRequest
+from colosync.wire.protocol import Ack, Commit, Failed, Probe, Revert, Status, TransactionRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.lora.request import LoRARequest
@@ -125,7 +120,6 @@ class _VllmLinkBase:
         self.commit_mode = commit_mode
         self._requests, self._replies = codecs()  # one pair per link: the codec caches the last Begin
         self._lock = threading.Lock()
-        self._kinds: dict[int, str] = {}
         self.lora_update_id = 0
         self.committed_update_id = 0
         self.serving = True
@@ -168,12 +162,10 @@ class _VllmLinkBase:
     def submit(self, request: TransactionRequest) -> Done:
         try:
             with self._lock:
-                if isinstance(request, Commit):
-                    return Done(self._commit(request))
+                if isinstance(request, Commit):  # the workers never see the probe: this link scores it
+                    return Done(verified_commit(self._switch, request, self._score_probe))
                 if isinstance(request, Revert):
-                    return Done(self._revert(request))
-                if isinstance(request, Begin):
-                    self._kinds[request.manifest.update_id] = request.manifest.kind
+                    return Done(self._switch(request))
                 return Done(self._call(request))
         except ColosyncError as exc:
             return Done(error=exc)
@@ -256,57 +248,9 @@ class _VllmLinkBase:
                 request.update_id,
             )
 
-    def _commit(self, request: Commit) -> Ack:
-        uid, probe = request.update_id, request.probe
-        kind = self._kinds.pop(uid, None)
-        ack = self._switch(Commit(uid) if probe is not None else request)  # the workers never see the probe
-        delivery = ack.delivery
-        if delivery is not None and delivery.changed != delivery.expected:
-            unit = "LoRA modules" if kind == "lora" else "layers"
-            self._fail(
-                uid, f"the engine changed {delivery.changed} of the {delivery.expected} {unit} the manifest names"
-            )
-        if probe is None:
-            return ack
-        return msgspec.structs.replace(ack, delivery=self._verify(uid, probe, delivery))
-
-    def _verify(self, uid: int, probe: Probe, counted: Delivery | None) -> Delivery:
-        """Score ``probe`` on what the engine now serves; revert and raise if it deviates."""
-        start = time.perf_counter()
-        try:
-            scores, versions = self.score(probe.prompts, probe.completions, self.default_lora())
-        except Exception as exc:  # the engine could not even score: not a verified delivery
-            self._fail(uid, f"scoring the probe failed ({type(exc).__name__}: {exc})")
-            raise  # not reached: _fail raises
-        if versions != {uid}:
-            self._fail(uid, f"the probe was scored by updates {sorted(versions)}, not {uid}")
-        deviation = Deviation(probe, scores)
-        if not deviation.within(probe.tolerance):
-            self._fail(uid, f"{deviation}, over the probe's tolerance {probe.tolerance:g}")
-        seconds = time.perf_counter() - start
-        changed, expected = (counted.changed, counted.expected) if counted is not None else (0, 0)
-        return Delivery(changed, expected, deviation.value, seconds)
-
-    def _fail(self, uid: int, why: str) -> None:
-        """Revert committed update ``uid`` on the workers and raise the ``DeliveryError`` that says what they did."""
-        log.error("colosync: update %d failed verification: %s; reverting it", uid, why)
-        try:
-            after = self._revert(Revert(uid, why))
-        except ColosyncError as exc:
-            raise DeliveryError(
-                f"update {uid} committed but failed verification: {why}; reverting it failed too "
-                f"({type(exc).__name__}: {exc}): restart the engine, then push a good update"
-            ) from exc
-        if not after.serving:
-            self.failed_closed = (
-                f"the vLLM engine refuses to serve (failed closed): update {uid} committed but "
-                f"failed verification ({why}) and a full update cannot be rolled back; push a good "
-                "update (one that commits and verifies) to serve again"
-            )
-        raise delivery_error(uid, why, after)
-
-    def _revert(self, request: Revert) -> Ack:
-        return self._switch(request)
+    def _score_probe(self, probe: Probe) -> tuple[list[list[float]], set[int]]:
+        """The probe scored the way the engine serves by default (``default_lora``)."""
+        return self.score(probe.prompts, probe.completions, self.default_lora())
 
 
 class VllmLink(_VllmLinkBase):

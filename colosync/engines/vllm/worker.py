@@ -50,7 +50,7 @@ import torch
 
 from colosync.engines.host import EngineHost, codecs
 from colosync.errors import ConfigError, RankError, UnknownTensorError, UpdateRejected
-from colosync.sync.receiver import Receiver, ReceiverPolicy
+from colosync.sync.receiver import Receiver
 from colosync.sync.target import (
     Changes,
     EngineTarget,
@@ -58,6 +58,7 @@ from colosync.sync.target import (
     HostStaging,
     ModelSpec,
     ParamSpec,
+    ReceiverPolicy,
     Staging,
     full_footprint,
     parse_lora_name,
@@ -394,7 +395,13 @@ class VllmTarget(EngineTarget):
         """Reload the weights (if any) and, for ``adapters="drop"``, stop serving the adapter."""
         dropping = prepared.drop_adapter and self._served is not None
         writes = bool(prepared.named)
-        loaded = self._load_full(prepared.named, restore_adapter=not dropping) if writes else set()
+        try:
+            loaded = self._load_full(prepared.named, restore_adapter=not dropping) if writes else set()
+        except BaseException:
+            # vLLM's reload drops every registered LoRA first: if the served one is not back, say so
+            if self._served is not None and ADAPTER_ID not in self._adapter_manager().list_adapters():
+                self._served, self.lora_update_id = None, 0
+            raise
         covered = loaded_layers(prepared.layers, loaded)
         changes = Changes(len(covered), len(prepared.layers))
         if changes.changed != changes.expected:

@@ -36,7 +36,7 @@ channels as ``[q_t; k_t; v_t]``; the HF side has separate ``in_proj_qkv`` (``[q;
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -331,20 +331,19 @@ class Architecture:
     def lora_targets(self) -> tuple[str, ...]:
         return tuple(p for s in self.lora_slots for p in self.parts(s))
 
-    def check_config(self, config: TransformerConfig) -> None:
-        """Refuse, by name, every ``TransformerConfig`` flag this architecture does not convert."""
-        from colosync.sources.architectures import supported
-
+    def check_config(self, config: TransformerConfig, supported: Sequence[Architecture] = ()) -> None:
+        """Refuse, by name, every ``TransformerConfig`` flag this architecture does not convert;
+        the message proposes one of ``supported`` (the registry's) that would."""
         for attr, want in {**_CONFIG_NEVER, **self.config}.items():
             have = getattr(config, attr, None if want is SET else want)
             if (have is not None) if want is SET else (have == want):
                 continue
-            alternatives = [a.name for a in supported() if _accepts(a.config.get(attr, _CONFIG_NEVER.get(attr)), have)]
+            alternatives = [a.name for a in supported if _accepts(a.config.get(attr, _CONFIG_NEVER.get(attr)), have)]
             why = _NEVER_WHY.get(attr, "no architecture converts it")
             hint = f"use arch={alternatives[0]!r}" if alternatives else why
             raise ConversionError(
                 f"TransformerConfig.{attr}={have!r}: the Megatron->HF {self.name!r} converter needs {want!r} "
-                f"({hint}; supported: {[a.name for a in supported()]})"
+                f"({hint}; supported: {[a.name for a in supported]})"
             )
         activation = getattr(config, "activation_func", None)
         if activation is not None and activation is not torch.nn.functional.silu:
@@ -352,12 +351,6 @@ class Architecture:
                 f"TransformerConfig.activation_func={activation!r}: the HF {self.hf_architecture} layout computes "
                 "silu(gate) * up; set activation_func=torch.nn.functional.silu with gated_linear_unit=True"
             )
-
-
-def get_architecture(name: str) -> Architecture:
-    from colosync.sources.architectures import get
-
-    return get(name)
 
 
 __all__ = [
@@ -376,6 +369,5 @@ __all__ = [
     "SPLITS",
     "Slot",
     "Split",
-    "get_architecture",
     "hf_module",
 ]

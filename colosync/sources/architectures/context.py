@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from colosync.errors import ConversionError
-from colosync.sources.architectures.base import Architecture, Kind, Role, Slot, get_architecture
+from colosync.sources.architectures import get, supported
+from colosync.sources.architectures.base import Architecture, Kind, Role, Slot
 from colosync.sources.architectures.naming import DEFAULT_NAMING, NamingRule
 from colosync.wire.manifest import LoraSpec
 
@@ -171,7 +172,7 @@ class ConversionContext:
         ):
             if getattr(self, attr) <= 0:
                 raise ConversionError(f"ConversionContext.{attr} must be > 0, got {getattr(self, attr)}")
-        architecture = get_architecture(self.arch)  # raises, naming the supported ones
+        architecture = get(self.arch)  # raises, naming the supported ones
         if not self.expert_tp_size:
             object.__setattr__(self, "expert_tp_size", self.tp_size)
         if not self.stage_layers:
@@ -300,7 +301,7 @@ class ConversionContext:
     # -- derived ----------------------------------------------------------------------------
     @property
     def architecture(self) -> Architecture:
-        return get_architecture(self.arch)
+        return get(self.arch)
 
     @property
     def heads_per_group(self) -> int:
@@ -381,8 +382,8 @@ class ConversionContext:
         qk-norm, MLA, GDN, ...) by name, instead of producing a model that silently
         computes something else.
         """
-        architecture = get_architecture(arch)
-        architecture.check_config(config)
+        architecture = get(arch)
+        architecture.check_config(config, supported())
         if not stage_layers and (
             getattr(config, "num_layers_in_first_pipeline_stage", None) is not None
             or getattr(config, "num_layers_in_last_pipeline_stage", None) is not None
