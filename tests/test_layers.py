@@ -223,3 +223,50 @@ def test_the_circle_rule_catches_a_type_only_circle():
     finally:
         a.unlink()
         b.unlink()
+
+
+# -- small modules ------------------------------------------------------------------------------
+
+MAX_LINES = 500
+OVERSIZE: dict[str, str] = {
+    # Each is one module on purpose, for the reason given; the list only shrinks (a module that
+    # fits again must leave it). Splitting these is the open part of the 0.3 restructure.
+    "sync/landing.py": "the three landing strategies share per-layout plans, view caches, the bounce buffer "
+    "and the fence; which cache a new transport or a grown buffer voids is only checkable with all in view",
+    "handoff/runtime/executor.py": "running a step, sampling around it and checking each invariant against the "
+    "same samples are one loop",
+    "sources/megatron.py": "the collective schedule (who gathers, who sends, who raises) must read as one piece "
+    "for every rank to be seen to agree",
+    "engines/vllm/worker.py": "VllmTarget's methods each reach into the same vLLM internals (runner, LoRA "
+    "manager, reload); side by side they make a vLLM upgrade reviewable",
+    "tools/bench/sync.py": "every timed path runs in one process on the same tensors: the harness, the "
+    "references and the floors share it",
+    "integrations/trl.py": "TRL's generation class replaced in one place: its engine, its sync and its sleep",
+    "demo/cli.py": "the demo's command, its report and its plot (the colocated step moves to a library layer)",
+}
+
+
+def oversize(limit: int = MAX_LINES) -> list[str]:
+    found = []
+    for path in modules():
+        rel = str(path.relative_to(ROOT))
+        lines = len(path.read_text().splitlines())
+        if lines > limit and rel not in OVERSIZE:
+            found.append(f"colosync/{rel}: {lines} lines > {limit}; split it by job, or list it with a reason")
+        elif lines <= limit and rel in OVERSIZE:
+            found.append(f"colosync/{rel}: {lines} lines fits again; take it out of OVERSIZE")
+    return found
+
+
+def test_modules_stay_small():
+    found = oversize()
+    assert not found, "\n".join(found)
+
+
+def test_the_size_rule_catches_a_long_module():
+    long = ROOT / "wire" / "_long_probe.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    try:
+        assert any("_long_probe.py: 501 lines" in v for v in oversize())
+    finally:
+        long.unlink()

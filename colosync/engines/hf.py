@@ -31,16 +31,13 @@ import torch
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
 from colosync.engines.host import HostedTarget
 from colosync.errors import UnknownTensorError
+from colosync.sync.staging import FullFootprint, HostStaging, full_footprint, return_cached
 from colosync.sync.target import (
     Changes,
-    FullFootprint,
-    HostStaging,
     ModelSpec,
     ParamSpec,
     Staging,
-    full_footprint,
     parse_lora_name,
-    return_cached,
     tied_parameters,
 )
 from colosync.wire.manifest import LoraSpec, UpdateManifest

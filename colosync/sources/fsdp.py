@@ -35,9 +35,6 @@ wrappers stripped for full weights, PEFT's saved LoRA names for ``kind="lora"``,
 the adapter's parameters only. Not handled (each refused with a message saying so): shards on
 a dim other than 0, tensor-parallel DTensors (``Shard`` on two mesh dims, ``Partial``,
 ``_StridedShard``), parameters on several meshes, merging an adapter into full weights.
-
-One module (~480 lines): the bucket schedule (who copies in, who gathers, who copies out,
-when a buffer is free again, who raises) must be read as one piece to see every rank agree.
 """
 
 from __future__ import annotations

@@ -36,9 +36,6 @@ Why it looks like this:
 Not handled (each rejected with a message saying so): virtual pipeline chunks, linear
 biases, MLA, LoRA on experts (routed or shared). Full-weight updates send base
 weights; an adapter is not merged into them.
-
-One module: the collective schedule (who gathers, who sends, who raises when the engine
-refuses) must be read as one piece for every rank to be seen to agree.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Why it is built this way:
   in pieces is assembled first in the bounce buffer: one bucket of device memory, kept
   between updates (and grown to the largest bucket that needed it) rather than allocated
   per update.
-- An engine may lend flat buckets in host memory (``sync.target.HostStaging``: a full
+- An engine may lend flat buckets in host memory (``sync.staging.HostStaging``: a full
   update then costs its device nothing). A bucket coming through a device slot is checked
   there, chunk by chunk (its fingerprint and flag are the sums of its chunks'), and each chunk
   is copied to the host once; anything else is copied and checked on the host.
@@ -51,10 +51,6 @@ Why it is built this way:
   acknowledged as soon as the previous Stage's copies have finished, so the copy of one chunk
   overlaps the arrival of the next (``transports.base`` says what an acknowledgement
   promises); with one slot, once its own have.
-
-One module on purpose (~470 lines): the three landing strategies share the per-layout plans,
-the view caches, the bounce buffer and the fence, and the invariants between them (which
-cache a new transport or a grown buffer voids) are only checkable with all of it in view.
 """
 
 from __future__ import annotations

@@ -2,22 +2,17 @@
 
 ``submit`` returns at once so a Sender can keep several ``Stage`` messages in flight (one per
 transport slot) while the engine copies the previous slot out; replies come back in order.
-``LocalLink`` calls a Receiver in the same process; ``PipeLink`` talks to an engine process
-over a pipe of msgpack bytes; other engines (vLLM's collective RPC, Ray actors) provide their
-own ``Link``.
+``LocalLink`` calls a Receiver in the same process; the engine process's socket
+(``engines.channel``), Ray actors and vLLM's collective RPC provide their own ``Link``. This
+module knows the wire's messages only, never the engine's side (no Receiver import).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from multiprocessing.connection import Connection
-from typing import Any, Protocol, TypeVar
-
-import msgspec
+from typing import Protocol, TypeVar
 
 from colosync.errors import ColosyncError, EngineError
-from colosync.sync.receiver import Receiver
-from colosync.wire.protocol import Ack, BatchReply, Codec, Failed, TransactionRequest
+from colosync.wire.protocol import Ack, BatchReply, Failed, TransactionRequest
 
 
 class Pending(Protocol):
@@ -74,10 +69,17 @@ class Done:
         return self._reply
 
 
-class LocalLink:
-    """A Receiver living in this process (tests, or an engine embedded in the trainer)."""
+class Handles(Protocol):
+    """The engine's side of a transaction in this process: a ``Receiver``, or anything that applies a
+    request and replies (raising the ``ColosyncError`` that refuses it)."""
 
-    def __init__(self, receiver: Receiver) -> None:
+    def handle(self, request: TransactionRequest) -> Ack: ...
+
+
+class LocalLink:
+    """The engine's side in this process (tests, or an engine embedded in the trainer): a ``Receiver``."""
+
+    def __init__(self, receiver: Handles) -> None:
         self.receiver = receiver
 
     def submit(self, request: TransactionRequest) -> Done:
@@ -98,52 +100,3 @@ def unwrap(reply: R) -> R:
     if isinstance(reply, Failed):
         raise reply.to_exception()
     return reply
-
-
-class PipeLink:
-    """Ordered request/reply over a ``multiprocessing`` pipe carrying msgpack bytes only."""
-
-    def __init__(self, conn: Connection, codec: Codec, reply_codec: Codec) -> None:
-        self._conn, self._codec, self._reply_codec = conn, codec, reply_codec
-        self._waiting: deque[_PipePending] = deque()
-
-    def submit(self, request: msgspec.Struct) -> _PipePending:
-        try:
-            self._conn.send_bytes(self._codec.encode(request))
-        except (OSError, EOFError) as exc:
-            raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
-        pending = _PipePending(self)
-        self._waiting.append(pending)
-        return pending
-
-    def call(self, request: msgspec.Struct) -> Any:
-        return self.submit(request).wait()
-
-    def _receive_until(self, target: _PipePending, timeout: float | None) -> None:
-        while not target.done:
-            if timeout is not None and not self._conn.poll(timeout):
-                raise EngineError(f"the engine did not answer within {timeout}s")
-            try:
-                data = self._conn.recv_bytes()
-            except (OSError, EOFError) as exc:
-                raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
-            head = self._waiting.popleft()
-            head.reply = self._reply_codec.decode(data)
-            head.done = True
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-class _PipePending:
-    timeout: float | None = None
-
-    def __init__(self, link: PipeLink) -> None:
-        self._link = link
-        self.reply: msgspec.Struct | None = None
-        self.done = False
-
-    def wait(self) -> Any:
-        """The reply: an ``Ack`` for a transaction message, the engine's own reply otherwise."""
-        self._link._receive_until(self, self.timeout)
-        return unwrap(self.reply)

@@ -6,9 +6,6 @@ JSON, or flags), prints the host and GPU timeline of each, and recommends a mode
 for machines, ``--plot FILE`` for a PNG). ``handoff-bench`` measures the sleep/wake
 throughput of the trainer backends side by side and writes the figures with the command,
 machine, torch version and date.
-
-One module (~450 lines) for the two commands: they share the size parsing, the argument
-conventions and the rich tables; most of its length is those tables and their plot.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import torch
 
 from colosync.errors import FingerprintMismatchError, NonFiniteError
 from colosync.sync.receiver import Receiver, ReceiverPolicy
-from colosync.sync.target import EngineTarget, HostStaging, ModelSpec, Staging
+from colosync.sync.staging import HostStaging
+from colosync.sync.target import EngineTarget, ModelSpec, Staging
 from colosync.wire.protocol import Abort, Begin, Commit, Prepare
 from tests.helpers import pack_bucket, stage_bytes
 from tests.sync.test_landing import MIXED, PAIR, assert_equal, attach, manifest, push, values

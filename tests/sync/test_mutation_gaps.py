@@ -338,7 +338,7 @@ def test_a_host_staging_area_with_a_pool_is_a_lease_of_the_pools_chunks_given_ba
     named for the sync, the buckets back to back inside it), and the lease goes back at ``done`` even when
     the area is kept."""
     from colosync.handoff.backends.arena import HostArena
-    from colosync.sync.target import HostStaging
+    from colosync.sync.staging import HostStaging
     from colosync.wire.bucket import plan_buckets
     from colosync.wire.manifest import UpdateManifest
 
@@ -492,7 +492,7 @@ def test_a_message_for_an_update_that_is_not_in_flight_says_which_step_and_why()
 
 
 def test_a_host_staging_area_pins_when_asked_and_by_default_exactly_when_cuda_is_present():
-    from colosync.sync.target import HostStaging
+    from colosync.sync.staging import HostStaging
 
     assert HostStaging(keep=True, pin=True).pin is True
     assert HostStaging(keep=True, pin=False).pin is False
@@ -501,7 +501,7 @@ def test_a_host_staging_area_pins_when_asked_and_by_default_exactly_when_cuda_is
 
 def test_a_host_staging_area_that_lent_nothing_yet_owns_no_tensor():
     """An engine may ask before the first update whether its weights alias the area: they cannot."""
-    from colosync.sync.target import HostStaging
+    from colosync.sync.staging import HostStaging
 
     area = HostStaging(keep=True, pin=False)
     weight = torch.randn(4)
@@ -544,7 +544,7 @@ def test_host_staging_packs_buckets_back_to_back_in_one_run_of_arena_chunks():
     """The buckets lie page-aligned, in order and without overlap, in one contiguous lease of as few
     chunks as hold them (a bucket may span chunks); an update without buckets leases nothing."""
     from colosync.handoff.backends.arena import HostArena
-    from colosync.sync.target import HostStaging
+    from colosync.sync.staging import HostStaging
     from colosync.wire.manifest import Layout, TensorMeta, UpdateManifest
 
     def manifest(*sizes: int) -> UpdateManifest:
@@ -576,7 +576,7 @@ def test_host_staging_packs_buckets_back_to_back_in_one_run_of_arena_chunks():
 def test_host_staging_owns_exactly_the_bytes_of_its_buckets():
     """``owns``: a tensor inside a bucket is the area's; one that starts just past a bucket's end is not."""
     from colosync.handoff.backends.arena import HostArena
-    from colosync.sync.target import HostStaging
+    from colosync.sync.staging import HostStaging
     from colosync.wire.bucket import plan_buckets
     from colosync.wire.manifest import UpdateManifest
 

@@ -33,10 +33,6 @@ Why this shape (the trainer side is ``colosync.engines.vllm.link`` and ``client`
   ``weight_versions`` spans on each output say which (``VllmEngine.version_of``).
 
 vLLM is imported only inside this module, and only inside functions that need it.
-
-One module on purpose (~500 lines): ``VllmTarget`` is one ``EngineTarget`` whose methods each reach
-into the same vLLM internals (runner, LoRA manager, reload), and reading them side by side is
-what makes a vLLM upgrade reviewable.
 """
 
 from __future__ import annotations
@@ -51,18 +47,15 @@ import torch
 from colosync.engines.host import EngineHost, codecs
 from colosync.errors import ConfigError, RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver
+from colosync.sync.staging import FullFootprint, HostStaging, full_footprint, return_cached
 from colosync.sync.target import (
     Changes,
     EngineTarget,
-    FullFootprint,
-    HostStaging,
     ModelSpec,
     ParamSpec,
     ReceiverPolicy,
     Staging,
-    full_footprint,
     parse_lora_name,
-    return_cached,
     tied_parameters,
     untie,
 )

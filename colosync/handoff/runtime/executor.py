@@ -20,10 +20,6 @@ step, the moment and the figures. "Host copies" are measured as the process tree
 anon+shmem minus the baseline (what was there before, not counting participants' own
 copies) — and, when a participant's "device" is the CPU (tests, CPU-only runs), minus the
 bytes it holds on that device, which are host memory too.
-
-One module on purpose (~720 lines): running a step, sampling around it and checking each
-invariant against the same samples are one loop; split, the invariants would each need the
-loop's state passed around.
 """
 
 from __future__ import annotations

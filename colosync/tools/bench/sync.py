@@ -11,9 +11,6 @@ result is checked: the engine's tensors must match the trainer's byte for byte.
 
 Prints a table (median, min, GB/s, ratio to the PCIe floor and to each reference) and writes
 JSON with the command line, GPU, driver, torch version and date.
-
-One module (~470 lines) because every path it times must run in the same process, the same
-way, on the same tensors: the timing harness, the references and the floors share it.
 """
 
 from __future__ import annotations
