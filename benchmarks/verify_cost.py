@@ -6,9 +6,9 @@ Run: .venv/bin/python benchmarks/verify_cost.py  (prints one line; recorded in b
 import statistics
 import tempfile
 
-from colosync.demo.models import fill_lora, greedy, load_model, make_tiny_llama, random_lora, score
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.sync.sender import Sender
+from colosync.testing import fill_lora, greedy, load_model, make_tiny_llama, random_lora, score
 from colosync.wire.protocol import Probe
 
 if __name__ == "__main__":

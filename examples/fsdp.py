@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from colosync import Sender
-from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.config import Generate
 from colosync.engines.process import EngineConfig, EngineProcess, connect
 from colosync.sources.fsdp import FsdpSource
+from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 
 
 def train_rank(rank, model_dir, address):

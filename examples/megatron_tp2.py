@@ -10,10 +10,10 @@ import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from colosync import Sender
-from colosync.demo.models import greedy, make_tiny_llama
 from colosync.engines.config import Generate
 from colosync.engines.process import EngineConfig, EngineProcess, connect
 from colosync.sources.megatron import ConversionContext, MegatronSource, ParallelGroups
+from colosync.testing import greedy, make_tiny_llama
 
 
 def train_rank(rank, model_dir, address):

@@ -3,9 +3,9 @@
 import tempfile
 
 from colosync import Probe, Sender
-from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.config import Generate
 from colosync.engines.process import EngineConfig, EngineProcess
+from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 
 PROMPTS = [[1, 5, 9]]
 

@@ -6,9 +6,9 @@ import tempfile
 import msgspec
 
 from colosync import Sender
-from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.config import EngineAddress, EngineConfig, Generate
 from colosync.engines.process import EngineProcess, connect
+from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 
 
 def driver(address: bytes, done: mp.Queue) -> None:

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig
 
-from colosync.demo.models import make_tiny_llama
 from colosync.integrations.trl import ColosyncGRPOTrainer, ColosyncOptions
+from colosync.testing import make_tiny_llama
 
 
 def low_ids(completion_ids, **_):  # the reward: the share of completion tokens below id 64

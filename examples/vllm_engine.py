@@ -4,8 +4,8 @@ import os
 import tempfile
 
 from colosync import Sender
-from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
 from colosync.engines.vllm import WORKER_EXTENSION, VllmEngine
+from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 
 if __name__ == "__main__":  # vLLM spawns worker processes: guard the entry point
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else vLLM's CPU backend reserves most of the RAM

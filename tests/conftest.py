@@ -32,7 +32,7 @@ def no_leaked_shared_memory():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from colosync.demo.models import make_tiny_llama
+    from colosync.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
 

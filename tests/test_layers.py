@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "colosync"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("workloads", "decoding"),
+    ("testing",),
     ("wire",),
     ("transports",),
     ("sync",),

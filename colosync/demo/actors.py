@@ -121,7 +121,7 @@ class TrainerActor(ServedTrainer):
     def _build(self) -> tuple[Any, torch.optim.Optimizer]:
         from peft import LoraConfig, get_peft_model
 
-        from colosync.demo.models import LORA_TARGETS, load_model
+        from colosync.testing import LORA_TARGETS, load_model
 
         torch.manual_seed(self.seed)
         config = LoraConfig(
@@ -162,7 +162,7 @@ class TrainerActor(ServedTrainer):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from colosync.demo.models import LORA_TARGETS
+        from colosync.testing import LORA_TARGETS
 
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
@@ -190,7 +190,7 @@ class TrainerActor(ServedTrainer):
         )
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-        from colosync.demo.models import score
+        from colosync.testing import score
 
         return score(self.model, prompts, completions)
 

@@ -225,10 +225,10 @@ def run_demo(options: DemoOptions, console: Any) -> DemoReport:
 
     from colosync.demo.colocated import Colocated
     from colosync.demo.launch import Cluster, resolve_launcher
-    from colosync.demo.models import make_tiny_llama
     from colosync.demo.tasks import CountTask
     from colosync.engines.config import Generate
     from colosync.sync.sender import SyncReport
+    from colosync.testing import make_tiny_llama
 
     engine = resolve_engine(options.engine)
     device = resolve_device(options.device)

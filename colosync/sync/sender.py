@@ -229,7 +229,8 @@ class Sender:
 
         One transaction like any push (an empty full update with ``adapters="drop"``), so it gets
         an update id, can be verified against the base model (``verify``, a probe of the model
-        without the adapter), and rolls back to the adapter if verification fails.
+        without the adapter), and rolls back to the adapter if verification fails. A Sender that
+        hosts an arena pushes only the arena's tensors: drop through a second Sender.
         """
         return self.push([], verify=verify, adapters="drop")
 

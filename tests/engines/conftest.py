@@ -30,7 +30,7 @@ def vllm_tensor_parallel_size() -> int:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
-    from colosync.demo.models import make_tiny_llama
+    from colosync.testing import make_tiny_llama
 
     return make_tiny_llama(
         tmp_path_factory.mktemp("vllm-models") / "tiny-llama-h128", seed=0, hidden_size=128, intermediate_size=256
@@ -99,7 +99,7 @@ def vllm_llm(vllm_model_dir):
 @pytest.fixture(scope="module")
 def vllm_tied_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 whose ``lm_head`` is its embedding (``tie_word_embeddings=True``), head size 32."""
-    from colosync.demo.models import make_tiny_qwen2
+    from colosync.testing import make_tiny_qwen2
 
     return make_tiny_qwen2(tmp_path_factory.mktemp("vllm-models") / "tiny-qwen2-tied", seed=3)
 

@@ -18,13 +18,13 @@ import gc
 import pytest
 import torch
 
-from colosync.demo.models import load_model, make_tiny_llama, make_tiny_qwen2
 from colosync.engines.hf import HFEngine
 from colosync.engines.host import EngineHost
 from colosync.errors import NonFiniteError, TiedWeightError, TransportError
 from colosync.sync.link import Done, LocalLink
 from colosync.sync.receiver import ReceiverPolicy
 from colosync.sync.sender import Sender
+from colosync.testing import load_model, make_tiny_llama, make_tiny_qwen2
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.protocol import Failed, Stage
 

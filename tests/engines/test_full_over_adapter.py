@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from colosync import DeliveryError, FailedClosedError, NonFiniteError, Probe
-from colosync.demo.models import greedy, load_model, random_lora
 from colosync.engines.config import Generate
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.testing import greedy, load_model, random_lora
 from colosync.wire.protocol import Status
 
 PROMPTS = [[1, 5, 9], [1, 17, 33, 250]]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colosync.demo.models import fill_lora, greedy, load_model, random_lora, score
 from colosync.engines.hf import Generate
 from colosync.errors import (
     DtypeError,
@@ -22,6 +21,7 @@ from colosync.errors import (
     UnknownTensorError,
 )
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.testing import fill_lora, greedy, load_model, random_lora, score
 from colosync.wire.bucket import fingerprint, plan_buckets
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Begin, Commit, Stage

@@ -14,7 +14,6 @@ import subprocess
 import pytest
 import torch
 
-from colosync.demo.models import fill_lora, greedy, load_model, make_tiny_qwen2, random_lora, score
 from colosync.engines.config import Generate, Score
 from colosync.engines.host import EngineHost, Session
 from colosync.engines.process import EngineConfig, EngineProcess
@@ -29,6 +28,7 @@ from colosync.errors import (
 )
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.testing import fill_lora, greedy, load_model, make_tiny_qwen2, random_lora, score
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Abort, Begin, Probe, Status

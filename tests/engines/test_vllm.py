@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colosync.demo.models import LORA_TARGETS, fill_lora, greedy, load_model, random_lora, score
 from colosync.errors import (
     DeliveryError,
     EngineError,
@@ -35,6 +34,7 @@ from colosync.errors import (
 )
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import Changes, parse_lora_name
+from colosync.testing import LORA_TARGETS, fill_lora, greedy, load_model, random_lora, score
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.protocol import Ack, Commit, Probe, Revert, Status
 
@@ -533,8 +533,8 @@ class _FakeLora:
 
 
 def _fake_target(manager):
-    from colosync.demo.models import tiny_llama_config
     from colosync.engines.vllm.worker import VllmTarget
+    from colosync.testing import tiny_llama_config
 
     config = tiny_llama_config()
     model = SimpleNamespace(packed_modules_mapping=_FakeLoraManager.packed_modules_mapping)

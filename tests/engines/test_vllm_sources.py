@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colosync.demo.models import LORA_TARGETS, greedy, load_model, random_lora
+from colosync.testing import LORA_TARGETS, greedy, load_model, random_lora
 
 from .test_vllm import NEW, PROMPTS, assert_parity, vllm_generate
 

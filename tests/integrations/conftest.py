@@ -40,7 +40,7 @@ def make_tokenizer(vocab_size: int = VOCAB):
 
 @pytest.fixture(scope="session")
 def trl_model_dir(tmp_path_factory) -> Path:
-    from colosync.demo.models import make_tiny_llama
+    from colosync.testing import make_tiny_llama
 
     path = make_tiny_llama(tmp_path_factory.mktemp("trl-models") / "tiny-llama", seed=0)
     make_tokenizer().save_pretrained(path)

@@ -78,7 +78,7 @@ def tiny_llama(model_dir: str | None = None, seed: int = 0, perturb: int | None 
     """The shipped tiny model (``model_dir``) or an odd-sized one built from a config with ``seed``."""
     from transformers import LlamaForCausalLM
 
-    from colosync.demo.models import load_model, tiny_llama_config
+    from colosync.testing import load_model, tiny_llama_config
 
     if model_dir is not None:
         model = load_model(model_dir)
@@ -98,7 +98,7 @@ def tiny_llama(model_dir: str | None = None, seed: int = 0, perturb: int | None 
 
 
 def with_lora(model: torch.nn.Module, seed: int = 1, targets: tuple[str, ...] = TARGETS) -> torch.nn.Module:
-    from colosync.demo.models import random_lora
+    from colosync.testing import random_lora
 
     return random_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, targets=targets, seed=seed, scale=0.2)
 

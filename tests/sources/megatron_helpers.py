@@ -555,7 +555,7 @@ def make_reference(
     """
     from peft import get_peft_model_state_dict
 
-    from colosync.demo.models import random_lora
+    from colosync.testing import random_lora
 
     torch.manual_seed(seed)
     model = hf_class(geom)(hf_config(geom))

@@ -476,7 +476,7 @@ def engine_worker(
 
 def _assert_gdn_lora_matters(peft_model: Any, want_logprobs: list, margin: float) -> None:
     """Without the LoRA on the Gated-DeltaNet linears, PEFT's logprobs move by more than ``margin``."""
-    from colosync.demo.models import greedy
+    from colosync.testing import greedy
 
     saved = {}
     with torch.no_grad():
@@ -508,9 +508,9 @@ def full_then_lora_through_engine(
     import msgspec
     from peft import get_peft_model_state_dict
 
-    from colosync.demo.models import greedy, random_lora
     from colosync.engines.config import EngineConfig, Generate
     from colosync.engines.process import EngineProcess
+    from colosync.testing import greedy, random_lora
 
     from megatron_helpers import exact_norms, hf_class, hf_config, share_fused_lora_a
 

@@ -97,8 +97,8 @@ def test_tensors_stream_without_a_sender_and_reuses_its_buffers(world2):
 
 
 def test_fsdp_push_into_hf_engine_matches_unsharded_peft_greedy(world2, hf_engine, tiny_model_dir):
-    from colosync.demo.models import greedy
     from colosync.engines.config import Generate
+    from colosync.testing import greedy
 
     reference = with_lora(tiny_llama(str(tiny_model_dir), perturb=5), seed=2)
     want_tokens, want_logprobs = greedy(reference, PROMPTS, 8)
@@ -145,9 +145,9 @@ def test_engine_killed_mid_push_raises_on_every_rank_and_none_hangs(world2):
 
 @pytest.mark.gpu
 def test_world_size_one_nccl_push_through_cuda_ipc(tmp_path):
-    from colosync.demo.models import greedy, make_tiny_llama
     from colosync.engines.config import EngineConfig, Generate
     from colosync.engines.process import EngineProcess
+    from colosync.testing import greedy, make_tiny_llama
     from tests.sources.fsdp_workers import World
 
     model_dir = make_tiny_llama(tmp_path / "llama", seed=0)

@@ -22,9 +22,9 @@ PROMPTS = [[5, 17, 33, 2, 101], [200, 7], [64, 64, 9, 13]]
 def test_tp2_megatron_lora_through_sender_matches_peft_greedy(cpu_world, tmp_path):
     from peft import get_peft_model_state_dict
 
-    from colosync.demo.models import greedy, load_model, make_tiny_llama, random_lora
     from colosync.engines.hf import Generate
     from colosync.engines.process import EngineConfig, EngineProcess
+    from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 
     geom = Geometry(num_layers=2)
     model_dir = make_tiny_llama(

@@ -238,7 +238,7 @@ def test_plan_names_and_shapes_are_hf_and_peft_s_own():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import LlamaForCausalLM
 
-    from colosync.demo.models import tiny_llama_config
+    from colosync.testing import tiny_llama_config
 
     geom = Geometry(num_layers=2)
     config = tiny_llama_config(

@@ -99,8 +99,8 @@ def test_refusals_name_the_fix(peft_model):
 
 
 def test_plain_lora_into_the_hf_engine_generates_what_peft_generates(hf_engine, tiny_model_dir):
-    from colosync.demo.models import greedy
     from colosync.engines.config import Generate
+    from colosync.testing import greedy
 
     model = with_lora(tiny_llama(str(tiny_model_dir)), seed=4)
     base = PlainSource(model, "full")  # the engine may hold another test's weights: reset the base first

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from colosync.demo.models import load_model, random_lora
 from colosync.engines.hf import HFEngine
 from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import EngineTarget, ModelSpec
+from colosync.testing import load_model, random_lora
 from colosync.transports.shm import ShmSender
 from colosync.wire.bucket import fingerprint, plan_buckets
 from colosync.wire.manifest import UpdateManifest

@@ -145,8 +145,8 @@ def test_a_second_peft_adapter_travels_with_its_own_spec_and_weights(tiny_model_
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
-    from colosync.demo.models import load_model
     from colosync.sync.sender import peft_lora_spec, peft_lora_tensors
+    from colosync.testing import load_model
 
     torch.manual_seed(0)
     model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
@@ -414,8 +414,8 @@ def test_a_peft_adapter_on_full_module_paths_keeps_the_layers_it_was_configured_
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
-    from colosync.demo.models import load_model
     from colosync.sync.sender import peft_lora_spec
+    from colosync.testing import load_model
 
     torch.manual_seed(0)
     base = load_model(tiny_model_dir)

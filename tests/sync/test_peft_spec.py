@@ -12,8 +12,8 @@ pytest.importorskip("peft")
 
 from peft import LoraConfig, get_peft_model
 
-from colosync.demo.models import load_model, make_tiny_llama
 from colosync.sync.sender import peft_lora_spec
+from colosync.testing import load_model, make_tiny_llama
 
 ALL = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
 

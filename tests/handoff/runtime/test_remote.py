@@ -34,7 +34,7 @@ def arenas() -> list[str]:
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory):
     """A tiny Llama whose weights (104 MiB) are large enough to see on the host."""
-    from colosync.demo.models import make_tiny_llama
+    from colosync.testing import make_tiny_llama
 
     return make_tiny_llama(
         tmp_path_factory.mktemp("models") / "llama-104m",

@@ -1,4 +1,7 @@
-"""Small local models for tests, demos and parity checks; nothing is ever downloaded.
+"""Small local models and random adapters for tests, examples and parity checks; nothing is downloaded.
+
+Public on purpose: a framework testing its own colosync integration needs the same fixed-seed
+models and adapters colosync's tests use, without importing the demo.
 
 ``make_tiny_llama`` writes a Llama-style model (GQA, 2 layers) with fixed-seed weights to a
 directory (``make_tiny_qwen2`` a Qwen2 one, embeddings tied), so a trainer and every engine process (hf, vLLM)
