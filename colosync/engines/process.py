@@ -126,7 +126,8 @@ def _exit_with_parent(stop: Callable[[], None], grace_s: float = 30.0) -> None:
 
     The parent is watched by polling who the parent is (an orphan is re-parented), not through
     a pipe, whose end a process the trainer forks (a DataLoader worker) would keep open."""
-    parent = os.getppid()
+    started_by = mp.parent_process()  # its pid, not getppid(): the parent may be gone already
+    parent = started_by.pid if started_by is not None and started_by.pid else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
