@@ -83,7 +83,7 @@ class Session:
     opened: float = field(default_factory=time.time)
     peer_pid: bool = False  # the pid came from the kernel (SO_PEERCRED), not from the client
     begun: tuple[UpdateManifest, bytes] | None = None  # its last Begin's manifest and digest (for BeginAgain)
-    taken_over_by: str = ""  # who took this session's ownership away, and when
+    taken_over_by: str = ""  # who took this client's ownership away, and when
 
     def begin_again(self, request: BeginAgain) -> Begin:
         """The ``Begin`` a ``BeginAgain`` stands for: this client's last Begin under a new update id."""
