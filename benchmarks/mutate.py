@@ -6,9 +6,10 @@ folder with a ``pyproject.toml`` that is the project's plus ``benchmarks/mutatio
 keeps the project's own files untouched, freezes the snapshot the run measures (others may be
 editing the tree meanwhile), and lets a later run resume where the last one stopped.
 
-Why some functions are left out: ``colosync/handoff/runtime/executor.py`` is mostly the
-executor loop, exercised by the handoff benchmarks rather than by fast tests; only its
-invariant checks are part of the core (``CORE``).
+Why some functions are left out: of ``colosync/handoff/runtime/invariants.py`` only the
+invariant checks are part of the core (``CORE``); the measurement and violation records
+around them are the executor loop's, exercised by the handoff benchmarks rather than by
+fast tests.
 
     .venv/bin/python benchmarks/mutate.py                 # the whole core, resuming, then a summary
     .venv/bin/python benchmarks/mutate.py --modules wire  # one group of modules
@@ -56,7 +57,7 @@ CORE: dict[str, list[str]] = {
     "wire": ["colosync.wire.*"],
     "sync": ["colosync.sync.*"],
     "transports": ["colosync.transports.*"],
-    "handoff": ["colosync.handoff.model.*"] + [f"colosync.handoff.runtime.executor.{g}" for g in _INVARIANTS],
+    "handoff": ["colosync.handoff.model.*"] + [f"colosync.handoff.runtime.invariants.{g}" for g in _INVARIANTS],
 }
 # mutmut's exit-code meaning (mutmut/stats.py), folded into the columns the record keeps.
 STATUS: dict[int | None, str] = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"}

@@ -7,6 +7,7 @@ side: ``Receiver`` driving an ``EngineTarget``. Bytes move through a transport
 Engines, Ray, Megatron and PEFT are imported only where they are used.
 """
 
+from colosync.control.link import LocalLink
 from colosync.errors import (
     ColosyncError,
     ConfigError,
@@ -30,7 +31,7 @@ from colosync.errors import (
     UpdateRejected,
     UpdateTimeoutError,
 )
-from colosync.sync.link import Link, LocalLink
+from colosync.sync.link import Link
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, SyncReport, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import EngineTarget, ModelSpec, ParamSpec, ReceiverPolicy
@@ -39,7 +40,7 @@ from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, 
 from colosync.wire.protocol import Probe
 from colosync.workloads import WORKLOADS_DIR
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 __all__ = [

@@ -6,7 +6,8 @@ import tempfile
 import msgspec
 
 from colosync import Sender
-from colosync.engines.config import EngineAddress, EngineConfig, Generate
+from colosync.control.channel import EngineAddress
+from colosync.engines.config import EngineConfig, Generate
 from colosync.engines.process import EngineProcess, connect
 from colosync.testing import greedy, load_model, make_tiny_llama, random_lora
 

@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from colosync.engines.sink import SinkEngine
 from colosync.wire.bucket import fingerprint, typed_views
 from colosync.wire.manifest import TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
 
 if TYPE_CHECKING:
+    from colosync import LocalLink, Receiver
     from colosync.handoff.backends.host_pool import HostPool
     from colosync.sync.link import Link
     from colosync.wire.protocol import Ack, Probe
@@ -65,6 +67,7 @@ def stage_bytes(
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
+GB = 10**9  # decimal, as the handoff simulator's sizes are given
 
 
 def make_trainer_state(layers: int = 4, width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -141,3 +144,46 @@ class probing:  # lower case: used like contextlib's context managers
 
     def __exit__(self, *exc: object) -> None:
         self.sender.link = self.link.link
+
+
+# -- sync: sink engines that record, tie or miscount, behind a Receiver in this process -------------
+
+
+def local_receiver(engine) -> tuple[Receiver, LocalLink]:
+    """``engine`` behind a CPU ``Receiver`` in this process, and the ``LocalLink`` to it (close the receiver)."""
+    from colosync import LocalLink, Receiver
+
+    receiver = Receiver(engine, "cpu")
+    return receiver, LocalLink(receiver)
+
+
+def lora_named(rank: int = 4) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT-named LoRA pair (``lora_A`` / ``lora_B``) of one ``q_proj``, at ``rank``."""
+    g = torch.Generator().manual_seed(3)
+    module = "model.layers.0.self_attn.q_proj"
+    return [
+        (f"base_model.model.{module}.lora_A.weight", torch.randn(rank, 16, generator=g)),
+        (f"base_model.model.{module}.lora_B.weight", torch.randn(16, rank, generator=g)),
+    ]
+
+
+class MiscountingSink(SinkEngine):
+    """A sink whose commit reports that it changed nothing of a full update (while ``miscount``), and cannot revert."""
+
+    miscount = True
+
+    def commit(self, prepared, update_id):
+        from colosync.sync.target import Changes
+
+        super().commit(prepared, update_id)
+        expected = len(prepared[2])
+        return Changes(changed=0 if self.miscount else expected, expected=expected)
+
+
+class TiedSink(SinkEngine):
+    """A sink whose model ties ``head.weight`` to ``embed.weight`` (one tensor, two names)."""
+
+    def model_spec(self):
+        from colosync.sync.target import ModelSpec
+
+        return ModelSpec(params=None, lora_modules=None, tied={"head.weight": "embed.weight"})

@@ -1,4 +1,4 @@
-"""Round trips through the engine channel (``colosync.engines.channel``) to a real engine process.
+"""Round trips through the engine channel (``colosync.control.channel``) to a real engine process.
 
 A ``Status`` request is the cheapest thing the engine answers, so its round trip is the
 channel's own cost: framing, the socket, waking the engine side and the reply. Run from the

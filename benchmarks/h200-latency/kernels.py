@@ -3,7 +3,7 @@
     python3 benchmarks/h200-latency/kernels.py [--out kernels.json]
 
 For seed-lora's one bucket (624 tensors, 169 MB) and llama8b-full's first 4 GiB bucket:
-- trainer pack: ``_foreach_copy_`` + the fingerprint pass (the path before ``wire.gather``),
+- trainer pack: ``_foreach_copy_`` + the fingerprint pass (the path before ``kernels.gather``),
   against the gather kernel at several block sizes, warp counts and chunk sizes;
 - engine landing: ``fused.copy_check`` copy + fingerprint + NaN/Inf check, at several
   configurations, against a plain device copy of the same bytes (the floor of any landing).
@@ -24,7 +24,7 @@ import triton.testing
 
 from colosync.sync.plan import Plan, ViewKey
 from colosync.tools.bench.sync import load_sync_workload, make_tensors
-from colosync.wire import fused, gather
+from colosync.kernels import fused, gather
 from colosync.wire.bucket import fingerprint_tensor
 
 

@@ -36,7 +36,7 @@ def host() -> dict:
     import triton  # noqa: F401  # the fused kernel's import, what the first sync pays
 
     out["rss_anon_after_import_triton_mb"] = rss_anon() / 2**20
-    from colosync.wire import fused
+    from colosync.kernels import fused
 
     ok = fused.enabled(dev)
     out["fused_enabled"] = ok
@@ -48,7 +48,7 @@ def host() -> dict:
 def device() -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from colosync.demo.models import LORA_TARGETS, make_tiny_llama
+    from colosync.testing import LORA_TARGETS, make_tiny_llama
     from colosync.demo.rl import policy_gradient_step
     from colosync.demo.tasks import CountTask
     from colosync.decoding import load_model, score

@@ -46,7 +46,7 @@ def imports() -> dict:
 def sync() -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from colosync.demo.models import LORA_TARGETS, make_tiny_llama
+    from colosync.testing import LORA_TARGETS, make_tiny_llama
     from colosync.demo.rl import policy_gradient_step
     from colosync.demo.tasks import CountTask
     from colosync.engines.config import EngineConfig, Generate

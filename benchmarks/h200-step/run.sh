@@ -14,6 +14,6 @@ OUT=${OUT:-benchmarks/h200-step}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g | head -2; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u; } > "$OUT/env.txt" 2>&1
 PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-330} python3 -m colosync.tools.cli bench-step --weights 16GB --optimizer-shards 4 --steps 10 ${BENCH_ARGS:-} --report "$OUT/bench-step.json" 2>&1 | tee "$OUT/bench-step.txt"
 echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench-step.txt"
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --timeout 100 --tb=short -rfE tests/demo/test_step_bench.py tests/engines/test_synthetic.py tests/handoff/backends/test_tms_trainer.py > "$OUT/pytest-gpu.txt" 2>&1
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --timeout 100 --tb=short -rfE tests/tools/test_step_bench.py tests/engines/test_synthetic.py tests/handoff/backends/test_tms_trainer.py > "$OUT/pytest-gpu.txt" 2>&1
 echo "rc=$?" >> "$OUT/pytest-gpu.txt"
 tail -n 30 "$OUT/pytest-gpu.txt"

@@ -1,7 +1,7 @@
 """The demo's trainer: a PEFT policy, its optimizer, a Sender to the engine, and its memory.
 
 One class for both launchers: a Ray actor (``ray.remote(TrainerActor)``) or a plain process
-(``colosync.demo.launch.ActorProcess``), so the same code trains, scores and pushes either way.
+(``colosync.colocated.launch.ActorProcess``), so the same code trains, scores and pushes either way.
 It holds the model the engine must match, so it also scores the parity probe with the same
 decoding code the hf engine uses. With ``handoff=True`` the model is not built here but by the
 plan's ``trainer.load`` (a ``TorchTrainerMemory`` served through ``handoff``), so the
@@ -11,73 +11,12 @@ controller's executor sees the load, the sleeps and the wake-ups as they happen.
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import msgspec
 import torch
 
-from colosync.engines.ray_actor import memory_sample
-from colosync.errors import ConfigError
-
-
-class TrainerPlan(msgspec.Struct, frozen=True):
-    """What a trainer tells the controller's plan about itself, per GPU (``HandoffSizes`` terms)."""
-
-    backup: int  # what its sleep moves to the host
-    resident: int  # what it holds on the device awake (the backup, the grad buffer, the rest)
-    grad_buffer: int  # the part of ``resident`` freed without a backup
-    sync_kind: str  # ``lora`` or ``full``
-    sync_bytes: int  # the bytes of one push
-
-    def __post_init__(self) -> None:
-        if self.cache < 0:
-            raise ConfigError(
-                f"a trainer's resident bytes ({self.resident}) must cover its backup ({self.backup}) and grad "
-                f"buffer ({self.grad_buffer}): count every device byte the awake trainer holds in resident"
-            )
-
-    @property
-    def cache(self) -> int:
-        """What ``resident`` holds beyond the backup and the grad buffer: the step's cached temporaries."""
-        return self.resident - self.backup - self.grad_buffer
-
-
-class ServedTrainer:
-    """What every trainer actor offers its controller besides its step: ``handoff(data)``, its
-    memory operations for a ``HandoffExecutor`` elsewhere (msgpack requests in, replies out;
-    ``BytesMemoryLink`` on the controller's side) served by the ``TrainerMemory`` that
-    ``trainer_memory(pool)`` builds; ``memory``, ``pid`` and ``close`` (of its ``sender``)."""
-
-    _service: Any = None
-    device: torch.device
-    sender: Any
-
-    def trainer_memory(self, pool: Any) -> Any:
-        raise NotImplementedError
-
-    def memory(self) -> dict[str, int]:
-        return memory_sample(self.device)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def close(self) -> None:
-        self.sender.close()
-        self.close_memory()
-
-    def handoff(self, data: bytes) -> bytes:
-        if self._service is None:
-            from colosync.handoff.runtime.remote import MemoryService, serve_bytes
-
-            service = MemoryService(factory=self.trainer_memory)
-            self._service = (service, serve_bytes(service))
-        reply: bytes = self._service[1](data)
-        return reply
-
-    def close_memory(self) -> None:
-        if self._service is not None:
-            self._service[0].close()
+from colosync.colocated.trainer import ServedTrainer, TrainerPlan, as_probe, engine_link
 
 
 class TrainerActor(ServedTrainer):
@@ -175,8 +114,8 @@ class TrainerActor(ServedTrainer):
         return TrainerPlan(backup=backup, resident=backup + lora, grad_buffer=lora, sync_kind="lora", sync_bytes=lora)
 
     # -- the step -----------------------------------------------------------------------------
-    def push(self) -> bytes:
-        return msgspec.msgpack.encode(self.sender.push_peft(self.model))
+    def push(self, probe: Any = None) -> bytes:
+        return msgspec.msgpack.encode(self.sender.push_peft(self.model, verify=as_probe(probe)))
 
     def train_step(
         self, prompts: list[list[int]], completions: list[list[int]], advantages: list[list[float]]
@@ -203,12 +142,4 @@ class TrainerActor(ServedTrainer):
         )
 
 
-def engine_link(engine: Any, engine_name: str) -> Any:
-    if isinstance(engine, bytes):
-        from colosync.engines.config import EngineAddress
-        from colosync.engines.process import connect
-
-        return connect(msgspec.msgpack.decode(engine, type=EngineAddress), engine_name, "trainer")
-    from colosync.engines.ray_actor import RayLink
-
-    return RayLink(engine, engine_name)
+__all__ = ["TrainerActor"]

@@ -34,6 +34,8 @@ from colosync.errors import ConfigError, ParityError, UnsupportedOperation
 
 log = logging.getLogger(__name__)
 
+TRAINER = "colosync.demo.actors:TrainerActor"
+
 
 @dataclass
 class StepRow:
@@ -221,13 +223,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_demo(options: DemoOptions, console: Any) -> DemoReport:
-    import msgspec
-
-    from colosync.demo.colocated import Colocated
-    from colosync.demo.launch import Cluster, resolve_launcher
+    from colosync.colocated.cluster import Cluster
+    from colosync.colocated.launch import resolve_launcher
+    from colosync.colocated.step import Colocated
     from colosync.demo.tasks import CountTask
     from colosync.engines.config import Generate
-    from colosync.sync.sender import SyncReport
     from colosync.testing import make_tiny_llama
 
     engine = resolve_engine(options.engine)
@@ -264,18 +264,22 @@ def run_demo(options: DemoOptions, console: Any) -> DemoReport:
         model_dir=model_dir,
         device=device,
         threads=threads,
+        trainer_actor=TRAINER,
         trainer_kwargs=trainer_kwargs,
         ray_address=options.ray_address,
     )
     colo: Colocated | None = None
     try:
         prompts = task.probe_prompts
-        if not handoff:  # the engine serves the trainer's first adapter from the start
-            first = msgspec.msgpack.decode(cluster.trainer.call("push"), type=SyncReport)
+        # the demo checks parity itself once the engine serves the update (check=): no probe rides the push
+        colo = None if handoff else Colocated(cluster, None, verify_every=0)
+        first = colo.push() if colo is not None else None  # without the handoff: the first adapter from the start
         before = cluster.driver.call(Generate(prompts, task.max_new_tokens))
+        if colo is None:  # the handoff's arena and executor, after the engine's first answers
+            colo = Colocated(cluster, options.peak_device, verify_every=0)
         report = DemoReport(
             engine,
-            first.transport if not handoff else "",
+            first.transport if first is not None else "",
             device,
             launcher=launcher,
             handoff=handoff,
@@ -286,12 +290,11 @@ def run_demo(options: DemoOptions, console: Any) -> DemoReport:
             targets=[task.target(p) for p in prompts],
             before=before.tokens,
             parity_tolerance=tolerance,
+            arena_bytes=colo.arena_bytes,
         )
         report.before_greedy_reward = _mean_reward(task, prompts, before.tokens)
-        if handoff:
-            colo = Colocated(cluster, options.peak_device)
-            report.arena_bytes = colo.arena.nbytes
-            init = colo.phase("init")  # the engine's memory out, the trainer loaded and asleep, the engine back
+        init = colo.init()  # the engine's memory out, the trainer loaded and asleep, the engine back
+        if init is not None:
             report.init = asdict(init)
             report.violations += len(init.violations)
         console.print(
@@ -336,66 +339,47 @@ def _mean_reward(task: Any, prompts: list[list[int]], completions: list[list[int
 
 
 def _step(
-    step: int,
-    task: Any,
-    cluster: Any,
-    colo: Any,
-    seed: int,
-    tolerance: float,
-    probe_completions: list[list[int]],
+    step: int, task: Any, cluster: Any, colo: Any, seed: int, tolerance: float, probe_completions: list[list[int]]
 ) -> StepRow:
-    """One RL step: rollout -> handoff rollout->train -> train -> handoff train->rollout (with
-    the sync) -> parity probe. The probe batch (prompts + fixed completions) is scored by both
-    sides: the trainer right after its step (it may be asleep once the handoff is done), the
-    engine from the version it serves."""
-    import msgspec
-
+    """One RL step (``Colocated.step``): rollout -> handoff -> train -> handoff with the sync ->
+    the parity probe. The probe batch (prompts + fixed completions) is scored by both sides:
+    the trainer right after its step (it may be asleep once the handoff is done), the engine
+    from the version it serves; the engine then answers the probe prompts greedily."""
     from colosync.engines.config import Generate, Score
-    from colosync.sync.sender import SyncReport
 
-    t0 = time.perf_counter()
-    trainer, driver = cluster.trainer, cluster.driver
+    trainer, driver, prompts = cluster.trainer, cluster.driver, task.probe_prompts
     host0, dev0 = cluster.memory_now()
     batch = task.batch(step)
-    rollout = driver.call(Generate(batch, task.max_new_tokens, temperature=1.0, seed=seed * 100_003 + step))
-    generate_s = time.perf_counter() - t0
-    rewards = [task.reward(p, c) for p, c in zip(batch, rollout.tokens, strict=True)]
-    advantages = task.advantages(batch, rollout.tokens)
-    r2t = colo.phase("rollout_to_train") if colo is not None else None
-    t = time.perf_counter()
-    prompts = task.probe_prompts
-    loss = trainer.call("train_step", batch, rollout.tokens, advantages)
-    reference = trainer.call("score", prompts, probe_completions)
-    train_s = time.perf_counter() - t
-    if colo is not None:
-        t2r = colo.phase("train_to_rollout")  # includes sync.weights
-        sync = colo.last_sync
-        assert sync is not None, "the plan's train_to_rollout ran no sync"
-    else:
-        t2r = None
-        t = time.perf_counter()
-        sync = msgspec.msgpack.decode(trainer.call("push"), type=SyncReport)
-        sync_s = time.perf_counter() - t
-    probe = driver.call(Score(prompts, probe_completions))
-    if probe.update_id != sync.update_id:
-        raise ParityError(f"step {step}: engine served update {probe.update_id}, expected {sync.update_id}")
-    err = max(
-        abs(a - b) for xs, ys in zip(probe.logprobs, reference, strict=False) for a, b in zip(xs, ys, strict=False)
-    )
-    if not err <= tolerance:
-        raise ParityError(
-            f"step {step}: engine and trainer logprobs differ by {err:.3g} > {tolerance:g} on update {sync.update_id}"
-        )
-    greedy = driver.call(Generate(prompts, task.max_new_tokens))
-    if greedy.update_id != sync.update_id:
-        raise ParityError(f"step {step}: engine answered from update {greedy.update_id}, expected {sync.update_id}")
+
+    def rollout() -> list[list[int]]:
+        return driver.call(Generate(batch, task.max_new_tokens, temperature=1.0, seed=seed * 100_003 + step)).tokens
+
+    def train(tokens: list[list[int]]) -> tuple[float, list[list[float]]]:
+        loss = trainer.call("train_step", batch, tokens, task.advantages(batch, tokens))
+        return loss, trainer.call("score", prompts, probe_completions)
+
+    def check(trained: tuple[float, list[list[float]]], sync: Any) -> tuple[float, list[list[int]]]:
+        probe = driver.call(Score(prompts, probe_completions))
+        if probe.update_id != sync.update_id:
+            raise ParityError(f"step {step}: engine served update {probe.update_id}, expected {sync.update_id}")
+        pairs = zip(probe.logprobs, trained[1], strict=False)
+        err = max(abs(a - b) for xs, ys in pairs for a, b in zip(xs, ys, strict=False))
+        if not err <= tolerance:
+            raise ParityError(f"step {step}: engine and trainer logprobs differ by {err:.3g} > {tolerance:g}")
+        greedy = driver.call(Generate(prompts, task.max_new_tokens))
+        if greedy.update_id != sync.update_id:
+            raise ParityError(f"step {step}: engine answered from update {greedy.update_id}, expected {sync.update_id}")
+        return err, greedy.tokens
+
+    record = colo.step(rollout, train, check=check)
+    (err, greedy), sync, phases = record.checked, record.sync, record.phases
     host1, dev1 = cluster.memory_now()
-    phases = [p for p in (r2t, t2r) if p is not None]
+    mb = lambda get: max((get(p) for p in phases), default=0) / 2**20  # noqa: E731
     return StepRow(
         step,
-        statistics.mean(rewards),
-        _mean_reward(task, prompts, greedy.tokens),
-        loss,
+        statistics.mean(task.reward(p, c) for p, c in zip(batch, record.rollout, strict=True)),
+        _mean_reward(task, prompts, greedy),
+        record.trained[0],
         sync.seconds["total"] * 1e3,
         sync.bytes,
         sync.transport,
@@ -403,18 +387,18 @@ def _step(
         err,
         max(host0, host1) / 2**20,
         max(dev0, dev1) / 2**20,
-        time.perf_counter() - t0,
-        greedy.tokens,
-        generate_s=generate_s,
-        train_s=train_s,
-        rollout_to_train_s=r2t.seconds if r2t is not None else 0.0,
-        train_to_rollout_s=t2r.seconds if t2r is not None else 0.0,
-        sync_s=t2r.sync_seconds if t2r is not None else sync_s,
-        host_copies_peak_mb=max((p.host_copies_peak_bytes for p in phases), default=0) / 2**20,
-        plan_host_copies_mb=max((p.plan_host_copies_bytes for p in phases), default=0) / 2**20,
-        device_peak_mb=max((p.device_peak_bytes for p in phases), default=0) / 2**20,
+        record.seconds,
+        greedy,
+        generate_s=record.rollout_s,
+        train_s=record.train_s,
+        rollout_to_train_s=record.rollout_to_train.seconds if record.rollout_to_train else 0.0,
+        train_to_rollout_s=record.train_to_rollout.seconds if record.train_to_rollout else 0.0,
+        sync_s=record.sync_s,
+        host_copies_peak_mb=mb(lambda p: p.host_copies_peak_bytes),
+        plan_host_copies_mb=mb(lambda p: p.plan_host_copies_bytes),
+        device_peak_mb=mb(lambda p: p.device_peak_bytes),
         handoff_ops=[op for p in phases for op in p.steps],
-        violations=[v for p in phases for v in p.violations],
+        violations=record.violations,
     )
 
 

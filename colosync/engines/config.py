@@ -17,7 +17,7 @@ from colosync.sync.target import ReceiverPolicy
 class EngineConfig(msgspec.Struct, frozen=True):
     """How to build an engine (typed: it crosses a process boundary)."""
 
-    engine: str  # registry name, see colosync.engines.names()
+    engine: str  # registry name, see colosync.control.registry.names()
     model_dir: str = ""
     device: str = "cpu"
     max_lora_rank: int = 64
@@ -31,13 +31,6 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     def policy(self) -> ReceiverPolicy:
         return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)
-
-
-class EngineAddress(msgspec.Struct, frozen=True):
-    """Where a running engine listens; hand it to another process to connect there."""
-
-    path: str
-    authkey: bytes
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -71,4 +64,4 @@ class Scores(msgspec.Struct, tag="scores", frozen=True):
     logprobs: list[list[float]]
 
 
-__all__ = ["EngineAddress", "EngineConfig", "Generate", "Generation", "Score", "Scores"]
+__all__ = ["EngineConfig", "Generate", "Generation", "Score", "Scores"]

@@ -2,7 +2,7 @@
 
 Trainer and engine are separate processes in every real deployment, and a sender can die,
 stall or misbehave at any moment; this is where that is survived. The engine process serves
-``EngineHost`` through ``ChannelServer`` (``colosync.engines.channel``): one task per
+``EngineHost`` through ``ChannelServer`` (``colosync.control.channel``): one task per
 connection, deadlines on authentication and on every message, engine work on one thread,
 and a connection that ends for any reason aborts only that client's in-flight update.
 Several clients can connect (a trainer that syncs, a driver that generates, a replacement
@@ -39,14 +39,15 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.engines import build_host, engine_class
-from colosync.engines.channel import ChannelServer, Deadlines, SocketLink
-from colosync.engines.config import EngineAddress, EngineConfig
-from colosync.engines.host import Session, codecs
+from colosync.control.channel import ChannelServer, Deadlines, EngineAddress, SocketLink
+from colosync.control.door import codecs
+from colosync.control.registry import engine_class
+from colosync.engines import build_host
+from colosync.engines.config import EngineConfig
 from colosync.errors import ColosyncError, ConfigError, EngineError, UnsupportedOperation
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.backends.host_pool import HostPool
-from colosync.handoff.runtime.participants import MemoryParticipant
+from colosync.handoff.model.participants import MemoryParticipant
 from colosync.handoff.runtime.remote import (
     MEMORY_REPLIES,
     MEMORY_REQUESTS,
@@ -54,6 +55,7 @@ from colosync.handoff.runtime.remote import (
     RemoteEngineMemory,
     RemoteTrainerMemory,
 )
+from colosync.sync.transaction import Session
 from colosync.wire.protocol import Ack, ArenaHandle, Failed, Hello
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ def _serve(config_bytes: bytes, ready: Connection) -> None:
     def shutdown(request: Shutdown, session: Session) -> Ack:
         if server is not None:
             server.stop()
-        return host.transactions.status()
+        return host.transaction.status()
 
     def memory(request: msgspec.Struct, session: Session) -> msgspec.Struct:
         return services[0].handle(request)

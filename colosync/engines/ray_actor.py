@@ -1,10 +1,7 @@
-"""Colosync on Ray: an engine actor and a Link to it.
+"""Colosync on Ray: any registered engine (hf, vLLM, ...) served from a Ray actor.
 
-A Ray actor processes one caller's calls in order, which is all a Sender needs to pipeline
-``Stage`` messages: ``RayLink.submit`` returns the call's ObjectRef at once and ``wait``
-resolves it. Arguments and replies are msgpack bytes of colosync's typed structs; the tensor
-bytes go through the transport (shared memory or CUDA IPC), never through Ray's object store.
-The same actor serves every registered engine (hf, vLLM, ...) through the common ``EngineHost``.
+The actor is a host like the engine process: the same ``EngineHost`` behind ``handle(bytes)``,
+and the same memory service for a handoff executor. Its link is ``control.ray.RayLink``.
 """
 
 from __future__ import annotations
@@ -18,51 +15,15 @@ import msgspec
 import psutil
 import torch
 
-from colosync.engines import build_host, engine_class
+from colosync.control.ray import RayLink
+from colosync.engines import build_host
 from colosync.engines.config import EngineConfig
-from colosync.engines.host import codecs
 from colosync.engines.process import engine_memory_factory
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.runtime.remote import MEMORY_REPLIES, MEMORY_REQUESTS, MemoryService, RemoteEngineMemory
-from colosync.sync.link import Pending, batch_parts, unwrap
-from colosync.wire.protocol import ArenaHandle, Batch, Codec, Commit, Prepare, Stage
+from colosync.wire.protocol import ArenaHandle
 
 log = logging.getLogger(__name__)
-
-
-class RayPending:
-    def __init__(self, ref: Any, reply_codec: Codec) -> None:
-        self._ref, self._reply_codec = ref, reply_codec
-
-    def wait(self) -> Any:
-        import ray
-
-        return unwrap(self._reply_codec.decode(ray.get(self._ref)))
-
-
-class RayLink:
-    """A ``Link`` to an ``EngineActor`` (anything exposing ``handle(bytes) -> bytes``) serving ``engine``;
-    ``requests``/``replies`` add message types beyond the engine's (``remote_engine_memory`` uses it)."""
-
-    def __init__(
-        self, actor: Any, engine: str, *, requests: tuple[type, ...] = (), replies: tuple[type, ...] = ()
-    ) -> None:
-        cls = engine_class(engine)
-        self._actor = actor
-        self._codec, self._reply_codec = codecs((*cls.requests, *requests), (*cls.replies, *replies))
-
-    def submit(self, request: msgspec.Struct) -> RayPending:
-        return RayPending(self._actor.handle.remote(self._codec.encode(request)), self._reply_codec)
-
-    def submit_batch(self, requests: list[Stage | Prepare | Commit]) -> list[Pending]:
-        """Send ``requests`` as one ``Batch`` (one actor call); one pending reply each."""
-        return batch_parts(self.submit(Batch(requests)), len(requests))
-
-    def call(self, request: msgspec.Struct) -> Any:
-        return self.submit(request).wait()
-
-    def close(self) -> None:
-        pass
 
 
 def memory_sample(device: torch.device) -> dict[str, int]:
@@ -122,4 +83,4 @@ def remote_engine_memory(
     return RemoteEngineMemory(link, arena=arena, chunk_bytes=chunk_bytes, pin=pin, where=f"Ray actor {engine}")
 
 
-__all__ = ["EngineActor", "RayLink", "RayPending", "memory_sample", "remote_engine_memory"]
+__all__ = ["EngineActor", "memory_sample", "remote_engine_memory"]

@@ -38,6 +38,7 @@ from colosync.errors import (
     UnsupportedOperation,
 )
 from colosync.handoff.model.ops import Op, Place, Region
+from colosync.handoff.model.participants import EngineMemory, Footprint, OpReport, TrainerMemory
 from colosync.handoff.model.plans import (
     HandoffConfig,
     Phase,
@@ -55,7 +56,6 @@ from colosync.handoff.model.simulator import (
     load_handoff_sizes,
     simulate,
 )
-from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport, TrainerMemory
 
 __all__ = [
     "Comparison",

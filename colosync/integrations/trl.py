@@ -16,7 +16,10 @@ module swaps the trainer's ``VLLMGeneration`` for a subclass while the trainer i
 - ``sync_weights`` is one colosync transaction: ``Sender.push_peft`` (verified with a probe
   scored by the trainer) for a PEFT model, a full update through TRL's own parameter iterator
   otherwise, then ``reset_prefix_cache`` as TRL does; the ``SyncReport`` lands in the trainer's
-  metrics (``colosync/sync_seconds``, ``colosync/bytes``, ``colosync/update_id``, ...).
+  metrics (``colosync/sync_seconds``, ``colosync/bytes``, ``colosync/update_id``, ...). The
+  verify cadence, the probe and the kept reports are the colocated step's own sync phase
+  (``colosync.colocated.sync.VerifiedSync``, ``colosync.colocated.probe``): TRL drives its loop,
+  so it calls that phase, not the whole step.
 
 Several ranks: in colocate mode every rank owns its in-process engine (vLLM's
 ``external_launcher``), so every rank pushes its own adapter into its own engine; each rank's
@@ -25,10 +28,9 @@ base weights survive level 1 on the host; the adapter is pushed again after ever
 level 2 is used only for full fine-tuning, whose push resends every weight. vLLM's CPU
 backend has no sleep mode at all (``vllm_sleep_support``).
 
-Version check. ``check_trl`` runs before the trainer builds anything and raises
-``IntegrationError`` naming the TRL version found and the tested range when a class, method
-or argument this module relies on is missing; a version outside the range whose internals
-match only logs a warning. TRL and vLLM are imported only inside functions.
+Version check. ``trl_check.check_trl`` runs before the trainer builds anything and refuses a
+TRL whose internals this module relies on are missing. TRL and vLLM are imported only inside
+functions.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import inspect
 import logging
 import math
 import threading
@@ -47,10 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colosync.decoding import score
+from colosync.colocated.probe import random_probe, scored
+from colosync.colocated.sync import REPORTS_KEPT, VerifiedSync
 from colosync.engines.vllm.client import VllmEngine
 from colosync.engines.vllm.worker import WORKER_EXTENSION
-from colosync.errors import ConfigError, IntegrationError
+from colosync.errors import ConfigError
+from colosync.integrations.trl_check import GENERATION_MODULE, check_trl, generation_module_of, mismatch, trl_version
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, Sender, peft_lora_spec, peft_lora_tensors
 from colosync.wire.protocol import Probe
 
@@ -59,16 +62,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 log = logging.getLogger(__name__)
 
-TRL_TESTED = (">=1.16.0", "<1.17")
-"""The TRL versions this module was tested with (``pip install 'colosync[trl]'`` pins them)."""
-
-_GENERATION_MODULE = "trl.generation.vllm_generation"
-_METHODS = ("_init_vllm", "sync_weights", "generate", "_iter_named_params")
-_INIT_ARGUMENTS = ("model", "accelerator", "mode", "enable_sleep_mode", "tensor_parallel_size")
-_GENERATE_ARGUMENTS = ("prompts", "num_generations")
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's LoRAConfig.max_lora_rank choices
 _RESERVED_ENGINE_KWARGS = ("worker_extension_cls", "enable_lora", "max_lora_rank", "max_loras")
-_REPORTS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -119,88 +114,6 @@ class ColosyncOptions:
                 f"engine_kwargs may not set {reserved}: colosync sets them (use max_lora_rank= for the rank)"
             )
         object.__setattr__(self, "engine_kwargs", MappingProxyType(dict(self.engine_kwargs)))
-
-
-# -- the version check ---------------------------------------------------------------------
-
-
-def trl_version() -> str:
-    """The installed TRL's version; ``IntegrationError`` if TRL is not importable."""
-    try:
-        import trl
-    except ImportError as exc:
-        raise IntegrationError(
-            f"TRL is not importable ({exc}); install the tested range: pip install 'colosync[trl]' "
-            f"(trl{','.join(TRL_TESTED)})"
-        ) from exc
-    return str(getattr(trl, "__version__", "unknown"))
-
-
-def _tested(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        found = Version(version)
-    except InvalidVersion:
-        return False
-    low, high = (Version(bound.lstrip("<>=")) for bound in TRL_TESTED)
-    return low <= found < high
-
-
-def _mismatch(version: str, what: str) -> IntegrationError:
-    return IntegrationError(
-        f"TRL {version} does not have what colosync.integrations.trl relies on: {what} (tested with "
-        f"trl{','.join(TRL_TESTED)}); install that range (pip install 'colosync[trl]') or train without "
-        "colosync's sync (the plain TRL trainer)"
-    )
-
-
-def check_trl() -> str:
-    """Check that TRL's ``VLLMGeneration`` is what this module replaces; returns TRL's version.
-
-    Raises ``IntegrationError`` (naming the version and the tested range) when the module,
-    the class, one of its methods or one of the constructor arguments it relies on is missing.
-    """
-    import importlib
-
-    version = trl_version()
-    try:
-        module = importlib.import_module(_GENERATION_MODULE)
-    except ImportError as exc:
-        raise _mismatch(version, f"module {_GENERATION_MODULE} ({exc})") from exc
-    base = getattr(module, "VLLMGeneration", None)
-    if not isinstance(base, type):
-        raise _mismatch(version, f"class {_GENERATION_MODULE}.VLLMGeneration")
-    if getattr(module, "LLM", None) is None:
-        raise _mismatch(version, f"{_GENERATION_MODULE}.LLM (vLLM imported by TRL: is vllm installed?)")
-    for method in _METHODS:
-        if not callable(getattr(base, method, None)):
-            raise _mismatch(version, f"method VLLMGeneration.{method}")
-    for method, names in (("__init__", _INIT_ARGUMENTS), ("generate", _GENERATE_ARGUMENTS)):
-        params = inspect.signature(getattr(base, method)).parameters
-        missing = [n for n in names if n not in params]
-        if missing:
-            raise _mismatch(version, f"argument(s) {missing} of VLLMGeneration.{method}")
-    if not _tested(version):
-        log.warning(
-            "colosync: TRL %s is outside the tested range trl%s; its internals look as expected, proceeding",
-            version,
-            ",".join(TRL_TESTED),
-        )
-    return version
-
-
-def _generation_module_of(trainer_cls: type) -> Any:
-    """The module whose ``VLLMGeneration`` name ``trainer_cls`` (or a base) builds its engine through."""
-    import sys
-
-    version = check_trl()
-    base = sys.modules[_GENERATION_MODULE].VLLMGeneration
-    for cls in trainer_cls.__mro__:
-        module = sys.modules.get(cls.__module__)
-        if module is not None and getattr(module, "VLLMGeneration", None) is base:
-            return module
-    raise _mismatch(version, f"{trainer_cls.__name__} (or a base class) building trl's VLLMGeneration")
 
 
 # -- what TRL sees as its engine ------------------------------------------------------------
@@ -281,7 +194,7 @@ def _attribute(generation: Any, name: str) -> Any:
     try:
         return getattr(generation, name)
     except AttributeError:
-        raise _mismatch(trl_version(), f"attribute VLLMGeneration.{name}") from None
+        raise mismatch(trl_version(), f"attribute VLLMGeneration.{name}") from None
 
 
 # -- the replacement VLLMGeneration -----------------------------------------------------------
@@ -293,8 +206,8 @@ class _ColosyncGeneration:
     colosync_options: ColosyncOptions
     colosync_engine: VllmEngine | None
     colosync_sender: Sender | None
+    colosync_sync: VerifiedSync
     colosync_reports: collections.deque[SyncReport]
-    colosync_on_report: Callable[[SyncReport], None] | None
     colosync_lora: bool
     _colosync_module: Any
     _colosync_probe: Probe | None
@@ -303,12 +216,12 @@ class _ColosyncGeneration:
         self.colosync_options = colosync_options
         self.colosync_engine = None
         self.colosync_sender = None
-        self.colosync_on_report = None
         self._colosync_specs: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
-        self.colosync_reports = collections.deque(maxlen=_REPORTS_KEPT)
+        every = colosync_options.verify_every if colosync_options.verify else 0
+        self.colosync_sync = VerifiedSync(verify_every=every, keep=REPORTS_KEPT)
+        self.colosync_reports = self.colosync_sync.reports
         self.colosync_lora = False
         self._colosync_probe = None
-        self._colosync_syncs = 0
         super().__init__(*args, **kwargs)
 
     # -- engine build ----------------------------------------------------------------------
@@ -355,7 +268,7 @@ class _ColosyncGeneration:
             finally:
                 module.LLM = real_llm_cls
         if not built or getattr(self, "llm", None) is not built[-1]:
-            raise _mismatch(trl_version(), f"VLLMGeneration._init_vllm building self.llm through {module.__name__}.LLM")
+            raise mismatch(trl_version(), f"VLLMGeneration._init_vllm building self.llm through {module.__name__}.LLM")
         self.colosync_engine = built[-1].engine
         self.colosync_sender = Sender(
             self.colosync_engine.link, transport=options.transport, bucket_bytes=options.bucket_bytes
@@ -380,18 +293,14 @@ class _ColosyncGeneration:
         if sender is None:
             raise ConfigError("colosync's sender is closed (colosync_close()); build a new trainer to train again")
         model = _attribute(self, "model")
-        options = self.colosync_options
-        due = options.verify and self._colosync_syncs % options.verify_every == 0
-        self._colosync_syncs += 1
-        verify = self._colosync_verify(model) if due else None
+        push: Callable[[Probe | None], SyncReport]
         if self.colosync_lora:
-            report = self._colosync_push_lora(sender, model, verify)
+            push = functools.partial(self._colosync_push_lora, sender, model)
         else:
-            report = self._colosync_push_full(sender, verify)
+            push = functools.partial(self._colosync_push_full, sender)
+        sync = self.colosync_sync  # the colocated step's sync phase: verify when due, push, report
+        sync.push(push, sync.probe(functools.partial(self._colosync_verify, model)))
         llm.reset_prefix_cache()  # TRL's own step (the commit already dropped cached KV)
-        self.colosync_reports.append(report)
-        if self.colosync_on_report is not None:
-            self.colosync_on_report(report)
 
     def _colosync_push_lora(self, sender: Sender, model: Any, verify: Probe | None) -> SyncReport:
         adapter = model.active_adapter
@@ -414,23 +323,15 @@ class _ColosyncGeneration:
 
     def _colosync_verify(self, model: Any) -> Probe:
         """The fixed probe with the trainer's logprobs under its current weights (eval mode, no grad)."""
-        options = self.colosync_options
+        o = self.colosync_options
         if self._colosync_probe is None:
             config = model.config
             config = config.get_text_config() if hasattr(config, "get_text_config") else config
             vocab = int(config.vocab_size)
-            gen = torch.Generator().manual_seed(options.seed)
-            ids = torch.randint(0, vocab, (options.probe_sequences, options.probe_prompt_tokens), generator=gen)
-            out = torch.randint(0, vocab, (options.probe_sequences, options.probe_completion_tokens), generator=gen)
-            self._colosync_probe = Probe(ids.tolist(), out.tolist(), [[0.0] * out.shape[1]] * out.shape[0])
-        probe = self._colosync_probe
-        training = model.training
-        model.eval()
-        try:
-            logprobs = score(model, probe.prompts, probe.completions)
-        finally:
-            model.train(training)
-        return Probe(probe.prompts, probe.completions, logprobs, self._colosync_tolerance(model))
+            self._colosync_probe = random_probe(
+                vocab, o.probe_sequences, o.probe_prompt_tokens, o.probe_completion_tokens, o.seed
+            )
+        return scored(model, self._colosync_probe, self._colosync_tolerance(model))
 
     def _colosync_tolerance(self, model: Any) -> float:
         if self.colosync_options.tolerance is not None:
@@ -453,7 +354,7 @@ def generation_class() -> type:
     import sys
 
     check_trl()
-    module = sys.modules[_GENERATION_MODULE]
+    module = sys.modules[GENERATION_MODULE]
     return type(
         "ColosyncVLLMGeneration",
         (_ColosyncGeneration, module.VLLMGeneration),
@@ -505,7 +406,7 @@ def with_colosync(trainer_cls: type) -> type:
     construction ``trainer.vllm_generation`` is colosync's, ``trainer.colosync_reports`` holds
     the recent ``SyncReport``s and ``trainer.colosync_close()`` detaches the Sender.
     """
-    module = _generation_module_of(trainer_cls)
+    module = generation_module_of(trainer_cls)
     base: Any = trainer_cls
 
     def __init__(self: Any, *args: Any, colosync: ColosyncOptions | None = None, **kwargs: Any) -> None:
@@ -522,8 +423,8 @@ def with_colosync(trainer_cls: type) -> type:
                 "vllm_mode='colocate'"
             )
         if not isinstance(getattr(self, "_metrics", None), dict):
-            raise _mismatch(trl_version(), f"{trainer_cls.__name__}._metrics (the dict TRL logs metrics from)")
-        generation.colosync_on_report = functools.partial(_record, self)
+            raise mismatch(trl_version(), f"{trainer_cls.__name__}._metrics (the dict TRL logs metrics from)")
+        generation.colosync_sync.on_report = functools.partial(_record, self)
 
     def colosync_reports(self: Any) -> collections.deque[SyncReport]:
         reports: collections.deque[SyncReport] = self.vllm_generation.colosync_reports
@@ -560,11 +461,8 @@ def __getattr__(name: str) -> type:
 
 
 __all__ = [
-    "TRL_TESTED",
     "ColosyncLLM",
     "ColosyncOptions",
-    "check_trl",
     "generation_class",
-    "trl_version",
     "with_colosync",
 ]

@@ -36,14 +36,14 @@ Why it looks like this:
 Not handled (each rejected with a message saying so): virtual pipeline chunks, linear
 biases, MLA, LoRA on experts (routed or shared). Full-weight updates send base
 weights; an adapter is not merged into them.
+
+This module is the collective schedule; the checks each rank runs before it agrees to
+start are in ``megatron_checks``, the process groups in ``megatron_groups``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,119 +53,18 @@ import torch
 import torch.distributed as dist
 
 from colosync.errors import ConversionError
-from colosync.sources.architectures.base import Role, Slot, Split
+from colosync.sources.architectures.base import Split
 from colosync.sources.architectures.context import ConversionContext
 from colosync.sources.architectures.layout import ConversionItem, convert, hf_specs, plan
 from colosync.sources.architectures.naming import ParamKey, index_params
+from colosync.sources.megatron_checks import check_layer_numbers, check_layout, check_params
+from colosync.sources.megatron_groups import ParallelGroups, sync_group
 
 if TYPE_CHECKING:
     from colosync.sync.sender import Sender, SyncReport
     from colosync.wire.manifest import AdapterPolicy
 
 log = logging.getLogger(__name__)
-
-_LAYER_MODULE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)$")
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """The process groups of this rank's model-parallel group (``None``: a group of one).
-
-    ``ep`` / ``etp`` / ``expert_mp`` are Megatron's expert-parallel, expert-tensor-parallel
-    and expert-TP x EP x PP groups; only MoE architectures use them.
-    """
-
-    tp: dist.ProcessGroup | None = None
-    pp: dist.ProcessGroup | None = None
-    mp: dist.ProcessGroup | None = None  # tp x pp: the ranks that hold one model replica
-    ep: dist.ProcessGroup | None = None
-    etp: dist.ProcessGroup | None = None
-    expert_mp: dist.ProcessGroup | None = None  # etp x ep x pp: the ranks that hold every expert once
-
-    @classmethod
-    def from_megatron(cls) -> ParallelGroups:
-        """The groups ``megatron.core.parallel_state.initialize_model_parallel`` created."""
-        from megatron.core import parallel_state
-
-        return cls(
-            tp=parallel_state.get_tensor_model_parallel_group(),
-            pp=parallel_state.get_pipeline_model_parallel_group(),
-            mp=parallel_state.get_model_parallel_group(),
-            ep=parallel_state.get_expert_model_parallel_group(),
-            etp=parallel_state.get_expert_tensor_parallel_group(),
-            expert_mp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
-        )
-
-    @staticmethod
-    def _rank(group: dist.ProcessGroup | None) -> int:
-        return dist.get_rank(group) if group is not None else 0
-
-    @staticmethod
-    def _size(group: dist.ProcessGroup | None) -> int:
-        return dist.get_world_size(group) if group is not None else 1
-
-    @property
-    def tp_rank(self) -> int:
-        return self._rank(self.tp)
-
-    @property
-    def tp_size(self) -> int:
-        return self._size(self.tp)
-
-    @property
-    def pp_rank(self) -> int:
-        return self._rank(self.pp)
-
-    @property
-    def pp_size(self) -> int:
-        return self._size(self.pp)
-
-    @property
-    def ep_rank(self) -> int:
-        return self._rank(self.ep)
-
-    @property
-    def ep_size(self) -> int:
-        return self._size(self.ep)
-
-    @property
-    def etp_rank(self) -> int:
-        return self._rank(self.etp)
-
-    @property
-    def etp_size(self) -> int:
-        return self._size(self.etp)
-
-
-_WRONG_ARCH_HINT = {
-    (Slot.QKV, Role.BIAS): "q/k/v biases are Qwen2's: use arch='qwen2'",
-    (Slot.Q_NORM, Role.WEIGHT): "q/k norms are Qwen3's: use arch='qwen3' (or 'qwen3_moe')",
-    (Slot.K_NORM, Role.WEIGHT): "q/k norms are Qwen3's: use arch='qwen3' (or 'qwen3_moe')",
-    (Slot.ROUTER, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
-    (Slot.EXPERT_FC1, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
-    (Slot.EXPERT_FC2, Role.WEIGHT): "routed experts are Qwen3-MoE's: use arch='qwen3_moe'",
-    (Slot.FC1, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
-    (Slot.FC2, Role.WEIGHT): "a dense MLP: use a dense architecture ('llama', 'qwen2', 'qwen3')",
-    **{
-        (slot, Role.WEIGHT): "a gated shared expert is Qwen3-Next's: use arch='qwen3_next'"
-        for slot in (Slot.SHARED_FC1, Slot.SHARED_FC2, Slot.SHARED_GATE)
-    },
-    **{
-        (slot, Role.WEIGHT): "Gated-DeltaNet layers are Qwen3.5's and Qwen3-Next's: use arch='qwen3_5' or "
-        "'qwen3_next' (the context's linear_layers must list this layer)"
-        for slot in (
-            Slot.GDN_IN_PROJ,
-            Slot.GDN_CONV,
-            Slot.GDN_A_LOG,
-            Slot.GDN_DT_BIAS,
-            Slot.GDN_NORM,
-            Slot.GDN_OUT_PROJ,
-        )
-    },
-}
-
-
-_GDN_ROWS = (Slot.GDN_CONV, Slot.GDN_A_LOG, Slot.GDN_DT_BIAS)
 
 
 @dataclass
@@ -223,8 +122,8 @@ class MegatronSource:
         self.device = first.device if first is not None else torch.device("cpu")
         self._collective = ctx.tp_size * ctx.pp_size > 1 or (self._moe and ctx.ep_size * ctx.expert_tp_size > 1)
         self._plan = plan(ctx)
-        problems = self._check_layout(groups)
-        self._group = self._sync_group(groups)
+        problems = check_layout(ctx, groups, collective=self._collective, moe=self._moe)
+        self._group = sync_group(groups, experts=self._moe and self._collective)
         self.sync_ranks: tuple[int, ...] = (
             tuple(dist.get_process_group_ranks(self._group)) if self._collective and self._group is not None else (0,)
         )  # the global ranks that take part in this source's syncs (one model replica)
@@ -234,8 +133,10 @@ class MegatronSource:
                 self._local = index_params(model.named_parameters(), ctx.naming)
             except ConversionError as exc:
                 problems.append(str(exc))
-            problems += self._check_layer_numbers(model)
-            problems += self._check_params()
+            problems += check_layer_numbers(model, ctx, self.stage)
+            problems += check_params(
+                ctx, self._plan, self._local, stage=self.stage, tp_rank=self.tp_rank, etp_rank=self.etp_rank
+            )
         self._agree(problems, "validation")
         # (stage, tp) -> rank of the sender's model-parallel group; (stage, ep, etp) -> the rank that sends experts
         self._ranks: dict[tuple[int, int], int] = {}
@@ -446,28 +347,6 @@ class MegatronSource:
             torch.cat(chunks, dim=1, out=full)
         return full
 
-    # -- agreement --------------------------------------------------------------------------
-    def _sync_group(self, groups: ParallelGroups) -> dist.ProcessGroup | None:
-        """The group every rank of one sync belongs to: ``mp``, or the expert group that contains it.
-
-        With expert parallelism the experts of one model may sit in other data-parallel
-        replicas of the dense model (EP over DP) or inside this one (EP over TP); one of the
-        two groups then contains the other, and the larger is the sync's group.
-        """
-        if not (self._moe and self._collective) or groups.expert_mp is None:
-            return groups.mp
-        mine = {dist.get_rank()}
-        dense = set(dist.get_process_group_ranks(groups.mp)) if groups.mp is not None else mine
-        expert = set(dist.get_process_group_ranks(groups.expert_mp))
-        if dense <= expert:
-            return groups.expert_mp
-        if expert <= dense:
-            return groups.mp
-        raise ConversionError(
-            f"the model-parallel group {sorted(dense)} and the expert group {sorted(expert)} overlap without one "
-            "containing the other; this EP / expert-TP layout is not supported"
-        )
-
     def _rank_tables(self) -> None:
         """Agree, over the sync group, on the sender, its dense group and each expert shard's owner."""
         me = dist.get_rank()
@@ -514,151 +393,6 @@ class MegatronSource:
         dist.broadcast(flag, src=self.sender_rank, group=self._group)
         return bool(flag.item())
 
-    # -- validation -------------------------------------------------------------------------
-    def _check_layout(self, groups: ParallelGroups) -> list[str]:
-        ctx = self.ctx
-        problems = []
-        if (groups.tp_size, groups.pp_size) != (ctx.tp_size, ctx.pp_size):
-            problems.append(
-                f"the process groups are TP={groups.tp_size} x PP={groups.pp_size} but the context says "
-                f"TP={ctx.tp_size} x PP={ctx.pp_size}; build the context from the model's TransformerConfig"
-            )
-        if self._collective and (groups.mp is None or not dist.is_initialized()):
-            # without a group there is no way to agree on failure: fail here, on every rank alike
-            raise ConversionError(
-                "TP x PP > 1 needs torch.distributed initialized and ParallelGroups with tp, pp and mp "
-                "(use ParallelGroups.from_megatron())"
-            )
-        if self._collective and dist.get_world_size(groups.mp) != ctx.tp_size * ctx.pp_size:
-            problems.append(
-                f"ParallelGroups.mp has {dist.get_world_size(groups.mp)} ranks, expected TP x PP = "
-                f"{ctx.tp_size * ctx.pp_size}"
-            )
-        if self._moe:
-            if (groups.ep_size, groups.etp_size) != (ctx.ep_size, ctx.expert_tp_size):
-                problems.append(
-                    f"the expert groups are EP={groups.ep_size} x expert-TP={groups.etp_size} but the context says "
-                    f"EP={ctx.ep_size} x expert-TP={ctx.expert_tp_size}; build the context from the model's "
-                    "TransformerConfig (expert_model_parallel_size, expert_tensor_parallel_size)"
-                )
-            if ctx.ep_size * ctx.expert_tp_size > 1 and groups.expert_mp is None:
-                raise ConversionError(
-                    "expert parallelism needs ParallelGroups with ep, etp and expert_mp "
-                    "(use ParallelGroups.from_megatron())"
-                )
-        return problems
-
-    def _check_layer_numbers(self, model: torch.nn.Module) -> list[str]:
-        """Megatron's TransformerLayer knows its global ``layer_number``: it must match the context."""
-        offset = self.ctx.stage_offsets[self.stage]
-        problems, count = [], 0
-        for name, module in model.named_modules():
-            match = _LAYER_MODULE.match(name)
-            if not match:
-                continue
-            count += 1
-            local = int(match[1])
-            number = getattr(module, "layer_number", None)
-            if number is not None and number - 1 != offset + local:
-                problems.append(
-                    f"{name} is global layer {number - 1} but the context places stage {self.stage}'s local "
-                    f"layer {local} at {offset + local}; pass stage_layers as Megatron placed the layers"
-                )
-        if count and count != self.ctx.stage_layers[self.stage]:
-            problems.append(
-                f"stage {self.stage} holds {count} layers but the context's stage_layers says "
-                f"{self.ctx.stage_layers[self.stage]}; pass stage_layers as Megatron placed the layers"
-            )
-        return problems
-
-    def _check_params(self) -> list[str]:
-        ctx = self.ctx
-        problems = []
-        mine = [item for item in self._plan if item.stage == self.stage]
-        for item in mine:
-            keys = [item.expert_key(i) for i in range(ctx.local_experts)] if item.experts else [item.key]
-            tp = ctx.expert_tp_size if item.experts else ctx.tp_size
-            for key in keys:
-                problems += self._check_param(item, key, tp)
-        problems += self._check_unconverted()
-        if ctx.kind == "lora":
-            wanted = set(ctx.lora_slots)
-            for key, (name, _) in self._local.items():
-                if key.role.base or key.slot in wanted:
-                    continue
-                if key.slot.expert or key.slot in (Slot.SHARED_FC1, Slot.SHARED_FC2):
-                    which = "routed" if key.slot.expert else "shared"
-                    problems.append(
-                        f"{name} is a LoRA on a {which} expert; LoRA on experts is not converted (refused by name): "
-                        "train the adapter on attention (and Gated-DeltaNet in_proj / out_proj) only"
-                    )
-                else:
-                    problems.append(
-                        f"{name} is an adapter weight but {key.slot.value} is not among the LoraSpec's "
-                        f"target_modules {list(ctx.lora.target_modules) if ctx.lora else []}; add its HF names"
-                    )
-        return problems
-
-    def _check_param(self, item: ConversionItem, key: ParamKey, tp: int) -> list[str]:
-        ctx = self.ctx
-        found = self._local.get(key)
-        if found is None:
-            hint = (
-                "; the adapter is missing on this module: attach it, or drop "
-                f"{[o.name.split('.')[-3] for o in item.outputs]} from LoraSpec.target_modules"
-                if not item.role.base
-                else ""
-            )
-            return [f"no local parameter for {key.describe()} ({item.describe()}){hint}"]
-        problems = []
-        name, param = found
-        want = item.local_shape(tp)
-        if tuple(param.shape) != want:
-            why = f" (lora rank {ctx.lora.rank} from the LoraSpec)" if not item.role.base and ctx.lora else ""
-            problems.append(
-                f"{name} has shape {list(param.shape)}, expected {list(want)}{why} for TP rank "
-                f"{self.etp_rank if item.experts else self.tp_rank} of {tp}; check the context against the "
-                "model's config"
-            )
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            # GatedDeltaNet marks conv1d / A_log / dt_bias tensor_model_parallel without a partition_dim:
-            # they are split on dim 0 (its sharded_state_dict says so)
-            dim = getattr(param, "partition_dim", 0 if key.slot in _GDN_ROWS else None)
-            if item.split is Split.NONE or dim != item.split.value:
-                problems.append(
-                    f"{name} is split on dim {dim} by Megatron but the converter expects "
-                    f"{item.split.name}; the naming table maps it to the wrong slot"
-                )
-        return problems
-
-    def _check_unconverted(self) -> list[str]:
-        """A base tensor the architecture does not convert would be dropped: refuse it by name."""
-        ctx = self.ctx
-        base = plan(dataclasses.replace(ctx, kind="full", lora=None)) if ctx.kind == "lora" else self._plan
-        planned = {(it.slot, it.role, it.local_layer) for it in base if it.stage == self.stage}
-        problems = []
-        for key, (name, _) in self._local.items():
-            if not key.role.base or (key.slot, key.role, key.local_layer) in planned:
-                if key.expert is not None and key.expert >= ctx.local_experts:
-                    problems.append(
-                        f"{name} is local expert {key.expert} but the context has {ctx.local_experts} experts per "
-                        f"EP rank (num_experts={ctx.num_experts}, ep_size={ctx.ep_size})"
-                    )
-                continue
-            if key.slot is Slot.OUTPUT and ctx.tie_word_embeddings:
-                continue  # the last stage's copy of a tied embedding: the engine ties it
-            hint = _WRONG_ARCH_HINT.get((key.slot, key.role), "check the context against the model")
-            problems.append(
-                f"{name} ({key.slot.value}.{key.role.value}) is not converted by architecture {ctx.arch!r} and "
-                f"would be dropped; {hint}"
-            )
-        return problems
-
-
-def megatron_tensor_bytes(ctx: ConversionContext) -> int:
-    """Largest single gathered Megatron tensor of an update: the sender's memory beyond a bucket."""
-    return max((math.prod(i.shape) * i.dtype.itemsize for i in plan(ctx)), default=0)
-
 
 __all__ = [
     "ConversionContext",
@@ -666,5 +400,4 @@ __all__ = [
     "MegatronSource",
     "ParallelGroups",
     "SourceStats",
-    "megatron_tensor_bytes",
 ]

@@ -5,9 +5,15 @@ architecture (``base``: slots, splits and ``Architecture``; ``naming``: the nami
 ``context``: ``ConversionContext``; ``layout``: the plan and the conversions; one file per
 architecture declares the rest). This module re-exports them so that code written against
 ``colosync.sources.megatron_layout`` keeps working unchanged.
+
+``megatron_tensor_bytes`` is defined here: it sizes a sender's memory from the plan alone,
+before any rank or process group exists, so it belongs with the plan rather than with the
+collective schedule of ``colosync.sources.megatron``.
 """
 
 from __future__ import annotations
+
+import math
 
 from colosync.errors import ConversionError
 from colosync.sources.architectures import get as get_architecture
@@ -50,6 +56,12 @@ from colosync.sources.architectures.naming import (
     index_params,
 )
 
+
+def megatron_tensor_bytes(ctx: ConversionContext) -> int:
+    """Largest single gathered Megatron tensor of an update: the sender's memory beyond a bucket."""
+    return max((math.prod(i.shape) * i.dtype.itemsize for i in plan(ctx)), default=0)
+
+
 __all__ = [
     "ADAPTER_SUFFIXES",
     "BASE_SUFFIXES",
@@ -79,6 +91,7 @@ __all__ = [
     "hf_specs",
     "index_params",
     "local_params",
+    "megatron_tensor_bytes",
     "merge_fc1",
     "merge_qkv",
     "plan",

@@ -63,11 +63,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteError, TransactionStateError
+from colosync.kernels import fused
+from colosync.kernels.fused import Segment
 from colosync.sync.target import ReceiverPolicy, Staging
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
-from colosync.wire import fused
 from colosync.wire.bucket import tensor_views, typed_views
-from colosync.wire.fused import Segment
 from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
 

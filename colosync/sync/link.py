@@ -2,9 +2,9 @@
 
 ``submit`` returns at once so a Sender can keep several ``Stage`` messages in flight (one per
 transport slot) while the engine copies the previous slot out; replies come back in order.
-``LocalLink`` calls a Receiver in the same process; the engine process's socket
-(``engines.channel``), Ray actors and vLLM's collective RPC provide their own ``Link``. This
-module knows the wire's messages only, never the engine's side (no Receiver import).
+The links themselves are the control plane's (``colosync.control``: in this process, a
+socket, a Ray actor) and vLLM's collective RPC (``engines.vllm.link``). This module knows
+the wire's messages only, never the engine's side.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ class Pending(Protocol):
 class Link(Protocol):
     """``submit`` sends one request and returns its pending reply.
 
-    A link to an ``EngineHost`` (``SocketLink``, ``RayLink``) also has ``submit_batch(requests)
-    -> list[Pending]``: it sends the requests as one ``Batch``, and a Sender then uses it for the
-    tail of every update and ``BeginAgain`` for a repeated manifest, both of which only a host
-    understands.
+    Every link colosync provides also has ``submit_batch(requests) -> list[Pending]``: the
+    requests as one ``Batch`` (one hop where the engine is remote), answered part by part. A
+    Sender uses it for the tail of every update, and ``BeginAgain`` for a repeated manifest
+    (the engine's ``EngineTransaction`` expands it). A link without it gets single requests and
+    full Begins.
     """
 
     def submit(self, request: TransactionRequest) -> Pending: ...
@@ -67,29 +68,6 @@ class Done:
         if self._reply is None:
             raise EngineError("a reply that carries neither an Ack nor an error; this is a colosync bug")
         return self._reply
-
-
-class Handles(Protocol):
-    """The engine's side of a transaction in this process: a ``Receiver``, or anything that applies a
-    request and replies (raising the ``ColosyncError`` that refuses it)."""
-
-    def handle(self, request: TransactionRequest) -> Ack: ...
-
-
-class LocalLink:
-    """The engine's side in this process (tests, or an engine embedded in the trainer): a ``Receiver``."""
-
-    def __init__(self, receiver: Handles) -> None:
-        self.receiver = receiver
-
-    def submit(self, request: TransactionRequest) -> Done:
-        try:
-            return Done(self.receiver.handle(request))
-        except ColosyncError as exc:
-            return Done(error=exc)
-
-    def close(self) -> None:
-        pass
 
 
 R = TypeVar("R")

@@ -33,10 +33,10 @@ import msgspec
 import torch
 
 from colosync.errors import ConfigError
+from colosync.kernels import fused, gather
 from colosync.sync.plan import STAGING, Plan, Plans, StreamSource, ViewKey
 from colosync.transports import SenderTransport
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
-from colosync.wire import fused, gather
 from colosync.wire.protocol import Ack, Begin, BeginAgain, Commit, Delivery, Prepare, Stage
 
 if TYPE_CHECKING:
@@ -370,7 +370,7 @@ class BucketStreamer:
 
         Tensors that are the plan's arena views already live in the slot: only the fingerprint
         runs. Sources the gather kernel takes are packed and fingerprinted in one launch that
-        reads them through a device table (``wire.gather``), so the graph does not depend on
+        reads them through a device table (``kernels.gather``), so the graph does not depend on
         where they are. Anything else is packed with ``_foreach_copy_`` and fingerprinted after.
         """
         cache = self._graph_cache(plan, packed.device)

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 
 from colosync.errors import ManifestError
+from colosync.kernels.gather import GatherTable
 from colosync.wire.bucket import TensorSpec, plan_buckets, typed_views
-from colosync.wire.gather import GatherTable
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, UpdateManifest, manifest_digest
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
@@ -118,7 +118,7 @@ class Plan:
             packed.index_fill_(0, index, 0)
 
     def gather_table(self, bucket: int, device: torch.device) -> GatherTable:
-        """The gather kernel's rows for bucket ``bucket`` on ``device`` (``wire.gather``), made once."""
+        """The gather kernel's rows for bucket ``bucket`` on ``device`` (``kernels.gather``), made once."""
         table = self._gather.get((bucket, device))
         if table is None:
             i0, i1 = self.bounds[bucket]

@@ -157,21 +157,7 @@ class Receiver:
 
     def begin(self, manifest: UpdateManifest) -> None:
         uid = manifest.update_id
-        if uid <= self.committed_update_id:
-            raise StaleUpdateError(
-                f"update {uid} is not newer than the committed update {self.committed_update_id}; "
-                "use a fresh, increasing update_id (Sender does this for you)"
-            )
-        if self._inflight is not None and uid <= self._inflight.update_id:
-            raise StaleUpdateError(
-                f"update {uid} repeats or precedes the in-flight update {self._inflight.update_id}; "
-                "abort it first or use a larger update_id"
-            )
-        if uid <= self._highest_update_id:
-            raise StaleUpdateError(
-                f"update {uid} is not newer than update {self._highest_update_id}, which began and ended "
-                "without commit; ids are never reused: use a larger update_id (Sender does this for you)"
-            )
+        _check_fresh(uid, self.committed_update_id, self.in_flight, self._highest_update_id)
         plan = self._lander.plans.get(manifest.layout)
         checked = (manifest.kind, manifest.lora)
         if checked not in plan.validated:  # an invalid update must not end the one in flight
@@ -189,14 +175,7 @@ class Receiver:
             self.target.unstage(manifest)  # the engine's area (an arena lease) goes back with the refusal
             raise
         self._inflight = _InFlight(manifest, landing)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "receiver: begin update %d (%s, %d tensors, %d bytes)",
-                uid,
-                manifest.kind,
-                len(manifest.tensors),
-                manifest.total_bytes,
-            )
+        log.debug("receiver: begin update %d (%s, %d tensors)", uid, manifest.kind, len(manifest.tensors))
 
     def stage(self, msg: Stage) -> None:
         tx = self._current(msg.update_id, "stage")
@@ -209,11 +188,8 @@ class Receiver:
             tx.landing.land(msg, src)
             tx.last_activity = time.monotonic()
             self._lander.fence.staged()
-        except ColosyncError as exc:
-            self._end(f"rejected: {exc}")
-            raise
         except Exception as exc:
-            self._end(f"failed: {type(exc).__name__}: {exc}")
+            self._end(f"rejected: {exc}" if isinstance(exc, ColosyncError) else f"failed: {type(exc).__name__}: {exc}")
             raise
 
     def prepare(self, update_id: int) -> None:
@@ -339,6 +315,25 @@ class Receiver:
             self.target.unstage(tx.manifest)
         except Exception:  # freeing must not mask the original error or undo a commit
             log.exception("receiver: unstage of update %d failed", tx.update_id)
+
+
+def _check_fresh(uid: int, committed: int, in_flight: int | None, highest: int) -> None:
+    """Refuse an update id that is not newer than every id this engine has seen."""
+    if uid <= committed:
+        raise StaleUpdateError(
+            f"update {uid} is not newer than the committed update {committed}; "
+            "use a fresh, increasing update_id (Sender does this for you)"
+        )
+    if in_flight is not None and uid <= in_flight:
+        raise StaleUpdateError(
+            f"update {uid} repeats or precedes the in-flight update {in_flight}; "
+            "abort it first or use a larger update_id"
+        )
+    if uid <= highest:
+        raise StaleUpdateError(
+            f"update {uid} is not newer than update {highest}, which began and ended "
+            "without commit; ids are never reused: use a larger update_id (Sender does this for you)"
+        )
 
 
 def _usable(device: torch.device) -> torch.device:

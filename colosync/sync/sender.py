@@ -38,7 +38,7 @@ from colosync.sync.pipeline import BucketStreamer, PhaseTimer, SlotPipeline, Syn
 from colosync.sync.plan import LayoutChanged, Plan, Plans, StreamSource
 from colosync.wire.bucket import TensorSpec, typed_views
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, align_up
-from colosync.wire.protocol import Abort, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
+from colosync.wire.protocol import Abort, Ack, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +217,7 @@ class Sender:
         """
         _check_adapters(adapters, lora)
         start = time.perf_counter()
-        # a Plan makes TensorSpecs of them
-        normalized: list[tuple[str, Sequence[int], torch.dtype]] = [
-            (n, tuple(shape), dtype) for n, shape, dtype in specs
-        ]
-        plan = self._plans.get(normalized, self.bucket_bytes)
+        plan = self._plans.get([(n, tuple(shape), dtype) for n, shape, dtype in specs], self.bucket_bytes)
         return self._push(plan, None, StreamSource(tensors), lora, update_id, start, verify, adapters)
 
     def drop_adapter(self, verify: Probe | None = None) -> SyncReport:
@@ -252,18 +248,9 @@ class Sender:
         self.bucket_bytes = max(align_up(total), 8192)  # one bucket, the whole update
         self.slots = 1
         transport = self._attach(device, None).transport
-        slot = transport.slot(0)
-        if slot.device != device:
-            raise TransportUnavailable(
-                f"the {transport.name} transport keeps its buffer in {slot.device} memory, so it "
-                f"cannot host an arena for tensors on {device}; use transport='cuda_ipc'"
-            )
         self._plans.clear()  # plans made under another bucket size would not fit the arena
-        plan = self._plans.get(specs, self.bucket_bytes)
-        views = typed_views(slot[: plan.sizes[0]], plan.metas) if plan.sizes else []
-        plan.arena = views
-        self._arena = plan
-        return list(views)
+        self._arena = self._plans.get(specs, self.bucket_bytes)
+        return _arena_views(transport, self._arena, device)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -291,14 +278,13 @@ class Sender:
             return push()
         except UnknownLayoutError as exc:  # the engine lost what BeginAgain referred to: the full Begin, once
             log.warning("%s; sending the full manifest", exc)
-            return push()
         except StaleUpdateError as exc:
             if requested is not None:
                 raise
-            status = getattr(exc, "status", None)
+            status: Ack | None = getattr(exc, "status", None)  # what the engine said with the refusal
             self._next_id = status.next_update_id() if status is not None else None
             log.warning("update id was stale (%s); resynchronised to %s, retrying once", exc, self._next_id)
-            return push()
+        return push()
 
     def _push(
         self,
@@ -318,13 +304,7 @@ class Sender:
                 f"this Sender's buffer is an arena for {len(self._arena.metas)} tensors; pushing other tensors "
                 "through it would overwrite them: push the arena's tensors, or use a second Sender"
             )
-        if self.device is not None:
-            device = self.device
-        elif tensors:
-            device = tensors[0].device
-        else:
-            first = source.peek() if source is not None else None
-            device = first[1].device if first is not None else self._default_device()
+        device = self.device if self.device is not None else _device_of(tensors, source, self.transport_name)
         streamer = self._attach(device, plan)
         transport = streamer.transport
         uid = self._claim_update_id(update_id)
@@ -332,8 +312,8 @@ class Sender:
         timer = PhaseTimer()
         begun, self._begun = self._begun, None  # set again only once this update commits
         try:
-            # A link to an EngineHost (socket, Ray) takes the tail of the update as one Batch and, for the
-            # manifest the engine began last on this link, a BeginAgain (~40 bytes) instead of the manifest.
+            # A link with submit_batch takes the tail of the update as one Batch and, for the manifest
+            # the engine began last on this link, a BeginAgain (~40 bytes) instead of the manifest.
             batch = getattr(self.link, "submit_batch", None)
             begin: Begin | BeginAgain = Begin(manifest)
             if batch is not None and begun == (plan.layout, manifest.kind, lora, adapters):
@@ -344,32 +324,10 @@ class Sender:
                 source.finish()
             ack = pipe.finish(Prepare(uid), Commit(uid, probe=verify))
         except BaseException as exc:
-            self._abort(uid, exc)
+            _abort(self.link, self._streamer, uid, exc)
             raise
         self._begun = (plan.layout, manifest.kind, lora, adapters)
-        seconds = dict(timer.seconds, total=time.perf_counter() - start)
-        if ack.delivery is not None and verify is not None:
-            seconds["verify"] = ack.delivery.seconds
-        report = SyncReport(
-            uid, manifest.kind, transport.name, len(plan.metas), len(plan.sizes), plan.total, seconds, ack.delivery
-        )
-        log.info(
-            "pushed update %d: %d tensors, %d bytes in %.2f ms via %s",
-            uid,
-            report.tensors,
-            report.bytes,
-            seconds["total"] * 1e3,
-            transport.name,
-        )
-        return report
-
-    def _default_device(self) -> torch.device:
-        """Where an update with no tensors "lives": anywhere the requested transport can run."""
-        if self.transport_name != "auto" and torch.cuda.is_available():
-            cpu_ok, _ = transports.sender_class(self.transport_name).available(torch.device("cpu"))
-            if not cpu_ok:
-                return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return _report(uid, manifest.kind, transport.name, plan, timer, start, ack, verify is not None)
 
     def _attach(self, device: torch.device, plan: Plan | None) -> BucketStreamer:
         """The attached transport (through its streamer), attaching one on first use."""
@@ -402,17 +360,64 @@ class Sender:
         self._next_id = max(self._next_id, uid + 1)
         return uid
 
-    def _abort(self, uid: int, exc: BaseException) -> None:
-        if self._streamer is not None:
-            with contextlib.suppress(Exception):  # the original error matters more
-                self._streamer.drain()  # this update's copies may not land in the slots over the next one's
-        try:
-            ack = self.link.submit(Abort(uid, reason=f"sender failed: {type(exc).__name__}: {exc}")).wait()
-        except Exception as abort_exc:  # the original error matters more
-            log.debug("abort of update %d not acknowledged: %s", uid, abort_exc)
-            return
-        if ack.committed_update_id >= uid:  # the Commit was already on its way and landed
-            exc.add_note(f"colosync: the engine did commit update {uid} before this error reached the sender")
+
+def _arena_views(transport: transports.SenderTransport, plan: Plan, device: torch.device) -> list[torch.Tensor]:
+    """``plan``'s tensors as views of the transport's one slot, which becomes the plan's arena."""
+    slot = transport.slot(0)
+    if slot.device != device:
+        raise TransportUnavailable(
+            f"the {transport.name} transport keeps its buffer in {slot.device} memory, so it "
+            f"cannot host an arena for tensors on {device}; use transport='cuda_ipc'"
+        )
+    views = typed_views(slot[: plan.sizes[0]], plan.metas) if plan.sizes else []
+    plan.arena = views
+    return list(views)
+
+
+def _abort(link: Link, streamer: BucketStreamer | None, uid: int, exc: BaseException) -> None:
+    """Tell the engine to drop update ``uid``, which failed here with ``exc``; note on ``exc`` if it had committed."""
+    if streamer is not None:
+        with contextlib.suppress(Exception):  # the original error matters more
+            streamer.drain()  # this update's copies may not land in the slots over the next one's
+    try:
+        ack = link.submit(Abort(uid, reason=f"sender failed: {type(exc).__name__}: {exc}")).wait()
+    except Exception as abort_exc:  # the original error matters more
+        log.debug("abort of update %d not acknowledged: %s", uid, abort_exc)
+        return
+    if ack.committed_update_id >= uid:  # the Commit was already on its way and landed
+        exc.add_note(f"colosync: the engine did commit update {uid} before this error reached the sender")
+
+
+def _device_of(tensors: list[torch.Tensor] | None, source: StreamSource | None, transport_name: str) -> torch.device:
+    """Where an update's tensors live; for an update with none, anywhere the requested transport can run."""
+    if tensors:
+        return tensors[0].device
+    first = source.peek() if source is not None else None
+    if first is not None:
+        return first[1].device
+    if transport_name != "auto" and torch.cuda.is_available():
+        cpu_ok, _ = transports.sender_class(transport_name).available(torch.device("cpu"))
+        if not cpu_ok:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _report(
+    uid: int, kind: str, transport: str, plan: Plan, timer: PhaseTimer, start: float, ack: Ack, verified: bool
+) -> SyncReport:
+    seconds = dict(timer.seconds, total=time.perf_counter() - start)
+    if ack.delivery is not None and verified:
+        seconds["verify"] = ack.delivery.seconds
+    report = SyncReport(uid, kind, transport, len(plan.metas), len(plan.sizes), plan.total, seconds, ack.delivery)
+    log.info(
+        "pushed update %d: %d tensors, %d bytes in %.2f ms via %s",
+        uid,
+        report.tensors,
+        report.bytes,
+        seconds["total"] * 1e3,
+        transport,
+    )
+    return report
 
 
 def _check_adapters(adapters: str, lora: LoraSpec | None) -> None:

@@ -15,7 +15,7 @@ import sys
 
 COMMANDS: tuple[str, ...] = (
     "colosync.demo.cli",
-    "colosync.demo.step_bench",
+    "colosync.tools.bench.step",
     "colosync.tools.probe",
     "colosync.tools.bench.sync",
     "colosync.tools.bench.source",

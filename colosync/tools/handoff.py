@@ -12,34 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from colosync.tools.subcommand import parse_size
+
 if TYPE_CHECKING:
     from rich.console import JustifyMethod
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``140GB``, ``898GiB``, ``1.5e9`` -> bytes (decimal GB, binary GiB)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 140GB, 898GiB or 1.5e9")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_sync(text: str) -> tuple[str, int]:

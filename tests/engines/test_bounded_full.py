@@ -18,10 +18,11 @@ import gc
 import pytest
 import torch
 
+from colosync.control.link import LocalLink
 from colosync.engines.hf import HFEngine
 from colosync.engines.host import EngineHost
 from colosync.errors import NonFiniteError, TiedWeightError, TransportError
-from colosync.sync.link import Done, LocalLink
+from colosync.sync.link import Done
 from colosync.sync.receiver import ReceiverPolicy
 from colosync.sync.sender import Sender
 from colosync.testing import load_model, make_tiny_llama, make_tiny_qwen2
@@ -67,7 +68,7 @@ def engine_on(model, keep=None, cls=HFEngine):
     engine = cls(model)
     if keep is not None:
         engine._host.keep = keep
-    receiver = engine.transactions(ReceiverPolicy())
+    receiver = engine.transaction(ReceiverPolicy()).applies
     return engine, receiver
 
 

@@ -177,12 +177,12 @@ def test_a_rollback_leaves_no_peft_warning_for_the_user(tiny_model_dir, recwarn)
     activates the served adapter per request, so the warning says nothing to its user."""
     import warnings
 
+    from colosync.control.link import LocalLink
     from colosync.engines.hf import HFEngine
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import ReceiverPolicy
 
     engine = HFEngine(load_model(tiny_model_dir), max_lora_rank=16)
-    receiver = engine.transactions(ReceiverPolicy())
+    receiver = engine.transaction(ReceiverPolicy()).applies
     warnings.simplefilter("always")
     with Sender(LocalLink(receiver), transport="shm") as local:
         first = local.push_peft(random_lora(load_model(tiny_model_dir), seed=1)).update_id

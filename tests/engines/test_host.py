@@ -75,7 +75,7 @@ class Scoring(StoreEngine):
 @pytest.fixture
 def rig():
     engine = Scoring()
-    host = EngineHost(engine.transactions(None), engine)
+    host = EngineHost(engine.transaction(None), engine)
     transport = ShmSender(1 << 16, 1, torch.device("cpu"))
     assert not isinstance(host.handle(Attach("shm", transport.handle())), Failed)
     transport.attached()
@@ -152,8 +152,8 @@ def test_nothing_to_revert_on_a_fresh_engine():
 
 def test_verify_on_an_engine_that_cannot_score_is_refused_before_commit(rig):
     _, host, transport = rig
-    plain = EngineHost(host.transactions)  # the same Receiver, served without an engine that scores
-    plain.owner = plain._local
+    plain = EngineHost(host.transaction.applies)  # the same Receiver, served without an engine that scores
+    plain.transaction.owner = plain.transaction.local
     uid = prepared(host, transport)
     reply = plain.handle(Commit(uid, probe=PROBE))
     assert isinstance(reply, Failed) and reply.error == "ConfigError" and "push without verify=" in reply.message
@@ -164,7 +164,7 @@ def test_an_attach_that_cannot_open_its_transport_leaves_no_owner():
     host = EngineHost(Receiver(StoreEngine()))
     session = host.open_session()
     reply = host.handle(Attach("shm", b"\x93\xa4nope\x01\x01"), session)
-    assert isinstance(reply, Failed) and host.owner is None
+    assert isinstance(reply, Failed) and host.transaction.owner is None
 
 
 def test_a_takeover_that_cannot_open_its_transport_tells_the_old_owner_nothing():
@@ -174,7 +174,7 @@ def test_a_takeover_that_cannot_open_its_transport_tells_the_old_owner_nothing()
     try:
         assert not isinstance(host.handle(Attach("shm", transport.handle()), owner), Failed)
         failed = host.handle(Attach("shm", b"\x93\xa4nope\x01\x01", takeover=True), taker)
-        assert isinstance(failed, Failed) and host.owner is owner  # a takeover that failed takes nothing
+        assert isinstance(failed, Failed) and host.transaction.owner is owner  # a takeover that failed takes nothing
         reply = host.handle(Prepare(1), owner)  # refused as out of order, not for ownership
         assert isinstance(reply, Failed) and reply.error == "TransactionStateError", reply.message
         assert not isinstance(host.handle(Attach("shm", transport.handle(), takeover=True), taker), Failed)
@@ -234,7 +234,7 @@ class HostLink:
     its own session, ``submit_batch``, and so ``BeginAgain`` from a Sender."""
 
     def __init__(self, host: EngineHost) -> None:
-        from colosync.engines.host import codecs
+        from colosync.control.door import codecs
 
         self.host, self.session = host, host.open_session()
         self._codec, self._replies = codecs((), ())
@@ -263,7 +263,7 @@ def test_a_sender_begins_a_repeated_layout_again_in_40_bytes_and_recovers_when_t
     from colosync.sync.sender import Sender
 
     engine = StoreEngine()
-    host = EngineHost(engine.transactions(None), engine)
+    host = EngineHost(engine.transaction(None), engine)
     link = HostLink(host)
     named = [("w", torch.randn(6, 4)), ("b", torch.randn(6))]
     with Sender(link, transport="shm") as sender:
@@ -287,7 +287,7 @@ def test_begin_again_stands_only_for_this_connections_last_begin(rig):
     from colosync.wire.protocol import BeginAgain
 
     engine, host, transport = rig
-    owner = host._local  # the session that attached in ``rig``
+    owner = host.transaction.local  # the session that attached in ``rig``
     layout = plan_buckets([("w", (4,), torch.float32)], 1 << 16)
     uid = host.handle(Status()).next_update_id()
     first = UpdateManifest(uid, "full", layout)
@@ -296,7 +296,7 @@ def test_begin_again_stands_only_for_this_connections_last_begin(rig):
     host.handle(Abort(uid, "test"))
     again = host.handle(BeginAgain(uid + 1, manifest_digest(first)))
     assert isinstance(again, Ack) and again.in_flight_update_id == uid + 1
-    assert host.transactions._inflight.manifest.layout is first.layout  # the same Layout object: its plans hit
+    assert host.transaction.applies._inflight.manifest.layout is first.layout  # the same Layout object: its plans hit
     host.handle(Abort(uid + 1, "test"))
     other = UpdateManifest(uid, "full", plan_buckets([("v", (4,), torch.float32)], 1 << 16))
     refused = host.handle(BeginAgain(uid + 2, manifest_digest(other)))
@@ -320,10 +320,10 @@ def test_an_equal_manifest_from_another_connection_gets_the_first_ones_layout_ob
     specs = [("w", (4,), torch.float32), ("b", (2,), torch.float32)]
     uid = host.handle(Status()).next_update_id()
     host.handle(Begin(UpdateManifest(uid, "full", plan_buckets(specs, 1 << 16))))
-    first = host.transactions._inflight.manifest.layout
+    first = host.transaction.applies._inflight.manifest.layout
     host.handle(Abort(uid, "test"))
     again = UpdateManifest(uid + 1, "full", plan_buckets(specs, 1 << 16))  # equal, not the same object
     assert again.layout == first and again.layout is not first
     host.handle(Begin(again))
-    assert host.transactions._inflight.manifest.layout is first
+    assert host.transaction.applies._inflight.manifest.layout is first
     host.handle(Abort(uid + 1, "test"))

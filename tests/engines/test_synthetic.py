@@ -76,7 +76,7 @@ def test_digest_tells_one_changed_element_apart():
 
 
 def _push_forever(address: bytes, folder: str, ready) -> None:
-    from colosync.demo.actors import engine_link
+    from colosync.colocated.trainer import engine_link
 
     model = SyntheticModel.load(folder)
     sender = Sender(engine_link(address, "synthetic"), transport="shm", bucket_bytes=MiB)
@@ -125,9 +125,9 @@ def test_a_sender_killed_mid_push_gives_the_lease_back_and_the_engine_serves_a_w
 def test_a_begin_refused_after_the_engine_lent_its_arena_area_gives_the_lease_back():
     """An engine whose ``staging()`` lends a wrong area (one tensor short: a bug no correct engine has,
     so the test makes it) is refused at begin; the arena lease it took for the update goes back."""
+    from colosync.control.link import LocalLink
     from colosync.engines.synthetic import SyntheticEngine
     from colosync.errors import TransactionStateError
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
     from colosync.sync.target import Staging
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from colosync.engines.config import Generate, Score
-from colosync.engines.host import EngineHost, Session
+from colosync.engines.host import EngineHost
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.store import StoreEngine
 from colosync.errors import (
@@ -28,6 +28,7 @@ from colosync.errors import (
 )
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
+from colosync.sync.transaction import Session
 from colosync.testing import fill_lora, greedy, load_model, make_tiny_qwen2, random_lora, score
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.manifest import UpdateManifest
@@ -134,7 +135,7 @@ def test_a_full_update_that_does_not_verify_fails_closed_until_a_good_one(tiny_m
     named = list(model.named_parameters())
     with pytest.raises(DeliveryError, match="fails closed"):
         sender.push(named, verify=probe_of(model, shift=-0.5))
-    with pytest.raises(FailedClosedError, match="push a good full update"):
+    with pytest.raises(FailedClosedError, match="push a good update"):
         engine.call(Generate(PROMPTS, NEW))
     assert not engine.call(Status()).serving
     report = sender.push(named, verify=probe_of(model))
@@ -190,12 +191,12 @@ def test_an_owner_whose_process_died_is_released_by_the_clock():
     dead.wait()
     owner = host.open_session()
     owner.pid = dead.pid
-    host.owner = owner
+    host.transaction.owner = owner
     layout = plan_buckets([("w", (4,), torch.float32)], 1 << 16)
     host.handle(Begin(UpdateManifest(1, "full", layout)), owner)
-    assert host.transactions.status().in_flight_update_id == 1
+    assert host.transaction.status().in_flight_update_id == 1
     host.tick()
-    assert host.owner is None and host.transactions.status().in_flight_update_id is None
+    assert host.transaction.owner is None and host.transaction.status().in_flight_update_id is None
     assert isinstance(Session(9, pid=dead.pid), Session) and not Session(9, pid=dead.pid).alive()
 
 

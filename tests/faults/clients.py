@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
 
 HEADER = struct.Struct("!I")
 

@@ -66,7 +66,7 @@ class KillAt:
 def main() -> None:
     address_hex, point, transport, model_dir, scale, device = sys.argv[1:7]
     first_scale = sys.argv[7] if len(sys.argv) > 7 else None
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.sync.sender import Sender
     from colosync.wire.bucket import plan_buckets

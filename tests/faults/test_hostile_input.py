@@ -89,7 +89,7 @@ tags = st.sampled_from(
 def test_any_tagged_message_is_answered_not_raised(host, tag, fields):
     reply = reply_of(host, msgspec.msgpack.encode({"type": tag, **fields}))
     assert isinstance(reply, (Ack, Failed, BatchReply))
-    assert host.transactions.status().in_flight_update_id is None
+    assert host.transaction.status().in_flight_update_id is None
 
 
 @settings(max_examples=300, deadline=None)

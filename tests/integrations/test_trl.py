@@ -211,7 +211,7 @@ def test_trl_internals_mismatch_raises_naming_versions(trl_model_dir, tmp_path, 
 def test_trl_without_the_class_raises(monkeypatch):
     from trl.generation import vllm_generation
 
-    from colosync.integrations.trl import check_trl
+    from colosync.integrations.trl_check import check_trl
 
     monkeypatch.delattr(vllm_generation, "VLLMGeneration")
     with pytest.raises(IntegrationError, match=r"class trl\.generation\.vllm_generation\.VLLMGeneration"):

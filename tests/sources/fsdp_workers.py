@@ -132,8 +132,8 @@ def references(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 
 def store_link() -> tuple[Any, Any, Any]:
     """A real store engine in this process (it keeps what it committed) behind a LocalLink."""
+    from colosync.control.link import LocalLink
     from colosync.engines.store import StoreEngine
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
 
     engine = StoreEngine()
@@ -220,7 +220,7 @@ def engine_worker(rank: int, world: int, model_dir: str, address_bytes: bytes, b
     """Full weights, then the LoRA, from an FSDP2 model into the hf engine process."""
     import msgspec
 
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.sources.fsdp import FsdpSource
     from colosync.sync.sender import Sender
@@ -254,7 +254,7 @@ def refused_worker(rank: int, world: int, address_bytes: bytes) -> dict[str, Any
     """
     import msgspec
 
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.errors import ColosyncError
     from colosync.sources.fsdp import FsdpSource
@@ -295,7 +295,7 @@ def killed_worker(rank: int, world: int, address_bytes: bytes, engine_pid: int, 
     """SIGKILL the engine process once ``after_buckets`` buckets went through: every rank raises, none hangs."""
     import msgspec
 
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.errors import ColosyncError
     from colosync.sources.fsdp import FsdpSource
@@ -345,7 +345,7 @@ def gpu_worker(rank: int, world: int, model_dir: str, address_bytes: bytes, buck
     """World size 1 under NCCL: full weights then the LoRA through cuda_ipc into an hf engine on the GPU."""
     import msgspec
 
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.sources.fsdp import FsdpSource
     from colosync.sync.sender import Sender

@@ -144,8 +144,8 @@ def exactness_worker(
     """
     from megatron.core import parallel_state
 
+    from colosync.control.link import LocalLink
     from colosync.sources.megatron import MegatronSource, ParallelGroups
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
 
     ref = torch.load(ref_path, weights_only=True)
@@ -256,9 +256,9 @@ def _laziness(model: Any, ctx: Any, groups: Any) -> dict[str, int]:
 
 def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]) -> dict[str, Any]:
     """The engine fails mid-update: every rank raises, nobody hangs, and the next push works."""
+    from colosync.control.link import LocalLink
     from colosync.errors import ColosyncError
     from colosync.sources.megatron import MegatronSource
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
 
     source = MegatronSource(model, ctx, groups)
@@ -284,8 +284,8 @@ def _failure_then_success(model: Any, ctx: Any, groups: Any, ref: dict[str, Any]
 
 
 def _push_from_stage(model: Any, ctx: Any, groups: Any, ref: dict[str, Any], sender_stage: int) -> dict[str, Any]:
+    from colosync.control.link import LocalLink
     from colosync.sources.megatron import MegatronSource
-    from colosync.sync.link import LocalLink
     from colosync.sync.receiver import Receiver
 
     source = MegatronSource(model, ctx, groups, sender_stage=sender_stage)
@@ -426,7 +426,8 @@ def engine_worker(
     import msgspec
     from megatron.core import parallel_state
 
-    from colosync.engines.process import EngineAddress, connect
+    from colosync.control.channel import EngineAddress
+    from colosync.engines.process import connect
     from colosync.sources.megatron import MegatronSource, ParallelGroups
     from colosync.sources.megatron_layout import ConversionContext
     from colosync.sync.sender import Sender

@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colosync.sources import megatron, megatron_layout
+from colosync.control.link import LocalLink
+from colosync.sources import megatron, megatron_checks, megatron_groups, megatron_layout
 from colosync.sources.architectures import base as layout_base
 from colosync.sources.architectures import context as layout_context
 from colosync.sources.architectures import layout as layout_layout
@@ -39,7 +40,6 @@ from colosync.sources.megatron_layout import (
     split_fc1,
     split_qkv,
 )
-from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.wire.manifest import LoraSpec
@@ -300,7 +300,15 @@ def test_context_from_real_transformer_config_rejects_unsupported_architecture()
 def test_no_kwargs_anywhere_on_the_conversion_path():
     """Context cannot be dropped by a stage that forwards **kwargs: there is no such stage."""
     offenders, inspected = [], set()
-    for module in (megatron, layout_base, layout_naming, layout_context, layout_layout):
+    for module in (
+        megatron,
+        megatron_checks,
+        megatron_groups,
+        layout_base,
+        layout_naming,
+        layout_context,
+        layout_layout,
+    ):
         for name, obj in vars(module).items():
             if getattr(obj, "__module__", None) != module.__name__:
                 continue

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from colosync.control.link import LocalLink
 from colosync.engines.hf import HFEngine
-from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender, peft_lora_spec, peft_lora_tensors
 from colosync.sync.target import EngineTarget, ModelSpec

@@ -13,11 +13,11 @@ import torch
 
 from colosync import transports
 from colosync.errors import FingerprintMismatchError, NonFiniteError, TransactionStateError
+from colosync.kernels import fused
 from colosync.sync.landing import BOUNCE, SLOT, Fence, Plans, RowMirror, ViewKey
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.target import EngineTarget, ModelSpec, Staging
 from colosync.transports.shm import ShmSender
-from colosync.wire import fused
 from colosync.wire.bucket import plan_buckets, typed_views
 from colosync.wire.manifest import UpdateManifest, decode_manifest, encode_manifest
 from colosync.wire.protocol import Attach, Begin, Commit, Prepare

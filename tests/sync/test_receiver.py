@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from colosync.control.link import LocalLink
 from colosync.engines.store import StoreEngine
 from colosync.errors import (
     ManifestError,
@@ -16,7 +17,6 @@ from colosync.errors import (
     UnknownTensorError,
     UpdateTimeoutError,
 )
-from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver, ReceiverPolicy
 from colosync.sync.sender import Sender
 from colosync.transports.shm import ShmSender
@@ -205,3 +205,152 @@ def test_an_arena_sender_refuses_to_overwrite_its_arena(rig):
             sender.push([("other", torch.full((8,), 9.0))])
         assert torch.equal(a, torch.ones(4))
         sender.push([("a", a)])
+
+
+# -- Status mid-update, messages for updates not in flight, failed-closed and miscounted commits -----
+
+
+def _attached_receiver(engine):
+    """A CPU Receiver for ``engine`` with a one-slot ``shm`` transport attached by hand: ``(receiver, transport)``."""
+    receiver = Receiver(engine, "cpu")
+    transport = ShmSender(1 << 16, 1, torch.device("cpu"))
+    receiver.handle(Attach("shm", transport.handle()))
+    transport.attached()
+    return receiver, transport
+
+
+def test_status_names_the_update_in_flight_until_it_ends():
+    """A second process asking ``Status`` mid-update learns which update is in flight, and none after commit."""
+    from colosync.wire.protocol import Status
+
+    receiver = Receiver(StoreEngine(), "cpu")
+    transport = ShmSender(1 << 16, 1, torch.device("cpu"))
+    try:
+        receiver.handle(Attach("shm", transport.handle()))
+        transport.attached()
+        named = [("a", torch.arange(6.0))]
+        m = UpdateManifest(5, "full", plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 16))
+        receiver.handle(Begin(m))
+        assert receiver.handle(Status()).in_flight_update_id == 5
+        slot = transport.slot(0)[: m.bucket_sizes[0]]
+        pack_into(slot, m.tensors, [t for _, t in named])
+        receiver.handle(Stage(5, 0, 0, m.bucket_sizes[0], 0, fingerprint(slot)))
+        receiver.handle(Prepare(5))
+        assert receiver.handle(Status()).in_flight_update_id == 5
+        ack = receiver.handle(Commit(5))
+        assert (ack.committed_update_id, ack.in_flight_update_id) == (5, None)
+        assert receiver.handle(Status()).in_flight_update_id is None
+    finally:
+        receiver.close()
+        transport.close()
+
+
+def test_an_empty_bucket_is_complete_only_once_its_stage_came():
+    """A bucket of 0 bytes still needs its Stage: that is when its tensors reach the engine (a prepare
+    without it would commit an update missing them)."""
+    engine = StoreEngine()
+    receiver, transport = _attached_receiver(engine)
+    try:
+        layout = plan_buckets([("e", (0,), torch.float32)], 1 << 16)
+        receiver.handle(Begin(UpdateManifest(5, "full", layout)))
+        with pytest.raises(TransactionStateError, match=r"prepare before buckets \[0\] arrived"):
+            receiver.handle(Prepare(5))
+        receiver.handle(Begin(UpdateManifest(6, "full", layout)))
+        receiver.handle(Stage(6, 0, 0, 0, 0, 0))
+        receiver.handle(Prepare(6))
+        receiver.handle(Commit(6))
+        assert receiver.committed_update_id == 6 and list(engine.tensors) == ["e"]
+    finally:
+        receiver.close()
+        transport.close()
+
+
+def test_a_message_for_an_update_that_is_not_in_flight_says_which_step_and_why():
+    """A late message names its step; for an aborted update, the reason it was aborted (the sender's, or
+    'aborted by sender' when it gave none)."""
+    from colosync.engines.sink import SinkEngine
+
+    receiver, transport = _attached_receiver(SinkEngine())
+    try:
+        with pytest.raises(TransactionStateError, match=r"^stage for update 9, but the update in flight is none"):
+            receiver.handle(Stage(9, 0, 0, 8, 0, None))
+        with pytest.raises(TransactionStateError, match=r"^prepare for update 9, but the update in flight is none"):
+            receiver.handle(Prepare(9))
+        layout = plan_buckets([("w", (4,), torch.float32)], 1 << 16)
+        receiver.handle(Begin(UpdateManifest(10, "full", layout)))
+        receiver.handle(Abort(10))
+        with pytest.raises(TransactionStateError, match=r"update 10 was aborted \(aborted by sender\)"):
+            receiver.handle(Commit(10))
+        receiver.handle(Begin(UpdateManifest(11, "full", layout)))
+        receiver.handle(Abort(11, reason="trainer preempted"))
+        with pytest.raises(TransactionStateError, match=r"update 11 was aborted \(trainer preempted\)"):
+            receiver.handle(Commit(11))
+    finally:
+        receiver.close()
+        transport.close()
+
+
+def test_a_commit_after_a_failed_prepare_says_the_update_was_aborted_and_why():
+    from colosync.errors import TiedWeightError
+    from tests.helpers import TiedSink, local_receiver
+
+    engine = TiedSink()
+    receiver, link = local_receiver(engine)
+    embed = torch.randn(10, 4)
+    try:
+        with Sender(link, transport="shm") as sender:
+            good = sender.push([("embed.weight", embed), ("head.weight", embed.clone())])
+            with pytest.raises(TiedWeightError):
+                sender.push([("embed.weight", embed), ("head.weight", embed + 1)])
+            failed = good.update_id + 1
+            with pytest.raises(TransactionStateError, match=rf"update {failed} was aborted \(prepare failed: "):
+                receiver.handle(Commit(failed))
+    finally:
+        receiver.close()
+
+
+def test_an_engine_that_failed_closed_says_so_in_a_status_that_crosses_the_wire():
+    """``serving`` is a bool on the wire: a Status after a full update failed closed decodes as False."""
+    from colosync.errors import DeliveryError
+    from colosync.wire.protocol import Ack, Codec, Status
+    from tests.helpers import MiscountingSink, local_receiver
+
+    engine = MiscountingSink()
+    receiver, link = local_receiver(engine)
+    codec = Codec(Ack)
+    try:
+        with Sender(link, transport="shm") as sender, pytest.raises(DeliveryError):
+            sender.push([("w", torch.randn(8))])
+        assert codec.decode(codec.encode(receiver.handle(Status()))).serving is False
+    finally:
+        receiver.close()
+
+
+def test_a_lora_update_the_engine_miscounts_is_reported_in_modules():
+    """The delivery error names the unit the engine counted: LoRA modules (full updates: parameters or layers)."""
+    from colosync.errors import DeliveryError
+    from tests.helpers import MiscountingSink, local_receiver, lora_named
+
+    engine = MiscountingSink()
+    receiver, link = local_receiver(engine)
+    named = lora_named()
+    try:
+        with Sender(link, transport="shm") as sender:
+            with pytest.raises(DeliveryError, match=r"the engine changed 0 modules where the manifest names 2\b"):
+                sender.push(named, lora=LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj",)))
+            with pytest.raises(DeliveryError, match="the engine changed 0 parameters or layers where"):
+                sender.push([("w", torch.randn(8))])
+    finally:
+        receiver.close()
+
+
+def test_a_receiver_on_cuda_where_there_is_none_is_refused_at_once():
+    from colosync.engines.sink import SinkEngine
+    from colosync.errors import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ConfigError, match="CUDA is not available; use device='cpu'"):
+        Receiver(SinkEngine(), "cuda")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        Receiver(SinkEngine(), "cuda:0")

@@ -8,22 +8,32 @@ which replies are read before a slot is reused); view caches dropped with their 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
 
 from colosync import transports
+from colosync.control.link import LocalLink
 from colosync.engines.sink import SinkEngine
-from colosync.errors import ConfigError, EngineBusyError, FingerprintMismatchError, TransportError, TransportUnavailable
-from colosync.sync.link import Done, LocalLink
+from colosync.errors import (
+    ConfigError,
+    DeliveryError,
+    EngineBusyError,
+    FingerprintMismatchError,
+    TransportError,
+    TransportUnavailable,
+)
+from colosync.sync.link import Done
 from colosync.sync.pipeline import SlotPipeline
 from colosync.sync.plan import STAGING, ViewKey
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.transports.base import SenderTransport
 from colosync.wire.bucket import plan_buckets
-from colosync.wire.manifest import UpdateManifest
-from colosync.wire.protocol import Abort, Ack, Attach, Begin, Commit, Detach, Prepare, Stage, Status
+from colosync.wire.manifest import LoraSpec, UpdateManifest, align_up
+from colosync.wire.protocol import Abort, Ack, Attach, Begin, Commit, Detach, Prepare, Probe, Stage, Status
+from tests.helpers import MiscountingSink, local_receiver, lora_named
 
 
 @pytest.fixture
@@ -520,3 +530,206 @@ def test_close_detaches_so_another_sender_may_attach_and_takeover_is_explicit(si
 def test_bad_arguments_are_config_errors():
     with pytest.raises(ConfigError, match="slots must be >= 1"):
         Sender(None, slots=0)
+
+
+# -- push_stream, arenas, numbering and reports, through a sink engine in this process ---------------
+
+
+class RecordingSink(SinkEngine):
+    """The sink engine, keeping every manifest it prepared (what the engine was told)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manifests = []
+
+    def prepare(self, manifest, tensors):
+        self.manifests.append(manifest)
+        return super().prepare(manifest, tensors)
+
+
+class CountingSink(MiscountingSink):
+    """A sink whose commit counts what it changed, correctly (so every commit's Ack carries a ``Delivery``)."""
+
+    miscount = False
+
+
+class CountingLink(LocalLink):
+    """A LocalLink that keeps the type of every request it carried (what crossed to the engine)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        super().__init__(receiver)
+        self.sent: list[str] = []
+
+    def submit(self, request):
+        self.sent.append(type(request).__name__)
+        return super().submit(request)
+
+
+def test_push_stream_sends_the_lora_spec_and_the_requested_update_id():
+    engine = RecordingSink()
+    receiver, link = local_receiver(engine)
+    named = lora_named()
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj",))
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in named]
+    try:
+        with Sender(link, transport="shm") as sender:
+            report = sender.push_stream(specs, iter(named), lora=spec, update_id=41)
+            assert report.update_id == 41 and report.kind == "lora"
+            (manifest,) = engine.manifests
+            assert manifest.update_id == 41 and manifest.kind == "lora" and manifest.lora == spec
+            assert receiver.committed_update_id == 41
+            for name, t in named:
+                assert torch.equal(engine.tensors[name], t)
+    finally:
+        receiver.close()
+
+
+def test_push_stream_hands_the_probe_to_the_engine(store_engine):
+    """An engine that cannot score refuses a probe before installing anything, stream or not."""
+    probe = Probe(prompts=[[1, 2]], completions=[[3]], logprobs=[[-0.5]])
+    named = [("w", torch.randn(4, 4))]
+    with Sender(store_engine.link, transport="shm") as sender:
+        before = store_engine.link.submit(Status()).wait().committed_update_id
+        with pytest.raises(ConfigError, match="cannot score a probe"):
+            sender.push_stream([("w", (4, 4), torch.float32)], iter(named), verify=probe)
+        assert store_engine.link.submit(Status()).wait().committed_update_id == before
+
+
+def test_push_hands_the_probe_to_the_engine(store_engine):
+    """An engine that cannot score refuses ``push(..., verify=)`` before installing anything."""
+    probe = Probe(prompts=[[1, 2]], completions=[[3]], logprobs=[[-0.5]])
+    with Sender(store_engine.link, transport="shm") as sender:
+        before = store_engine.link.submit(Status()).wait().committed_update_id
+        with pytest.raises(ConfigError, match="cannot score a probe"):
+            sender.push([("w", torch.randn(4, 4))], verify=probe)
+        assert store_engine.link.submit(Status()).wait().committed_update_id == before
+
+
+def test_an_arena_holds_one_update_not_one_per_slot():
+    engine = SinkEngine()
+    receiver, link = local_receiver(engine)
+    specs = [("w", (256, 64), torch.float32), ("b", (64,), torch.float32)]
+    total = sum(align_up(math.prod(s) * d.itemsize) for _, s, d in specs)
+    try:
+        with Sender(link, transport="shm", slots=4) as sender:
+            sender.arena(specs, "cpu")
+            transport = sender.transport
+            assert transport.num_slots == 1
+            assert transport.slot_bytes * transport.num_slots < 2 * max(total, 8192)
+    finally:
+        receiver.close()
+
+
+def test_an_error_after_the_commit_landed_says_the_engine_committed_and_a_good_update_serves_again():
+    """A full update the engine miscounts fails closed *after* committing: the sender's error must say so;
+    the next full update that verifies lifts the fail-closed state."""
+    engine = MiscountingSink()
+    receiver, link = local_receiver(engine)
+    try:
+        with Sender(link, transport="shm") as sender:
+            with pytest.raises(DeliveryError) as info:
+                sender.push([("w", torch.randn(8))])
+            uid = receiver.committed_update_id
+            assert not receiver.serving and not link.submit(Status()).wait().serving  # what a Status caller sees
+            assert any(f"engine did commit update {uid}" in note for note in getattr(info.value, "__notes__", []))
+            # a good full update replaces what failed closed: the engine serves again
+            engine.miscount = False
+            report = sender.push([("w", torch.randn(8))])
+            assert receiver.committed_update_id == report.update_id > uid
+            assert receiver.serving and link.submit(Status()).wait().serving
+    finally:
+        receiver.close()
+
+
+def test_an_update_of_only_empty_tensors_is_delivered_even_as_a_senders_first():
+    """Zero-size tensors (an empty buffer, a 0-row embedding) make a 0-byte bucket: the first push sizes the
+    transport from it and must still get a usable slot; the bucket travels with fingerprint 0."""
+    engine = SinkEngine()
+    receiver, link = local_receiver(engine)
+    named = [("e", torch.empty(0)), ("f", torch.empty(0, 3, dtype=torch.bfloat16))]
+    try:
+        with Sender(link, transport="shm") as sender:
+            report = sender.push(named)
+            assert (report.buckets, report.bytes) == (1, 0)
+            assert receiver.committed_update_id == report.update_id
+            assert {n: (tuple(t.shape), t.dtype) for n, t in engine.tensors.items()} == {
+                "e": ((0,), torch.float32),
+                "f": ((0, 3), torch.bfloat16),
+            }
+            # and after a non-empty update, an empty one through the same slots
+            sender.push([("w", torch.randn(4))])
+            again = sender.push_stream([("e", (0,), torch.float32)], iter(named[:1]))
+            assert receiver.committed_update_id == again.update_id and list(engine.tensors) == ["e"]
+    finally:
+        receiver.close()
+
+
+def test_a_bucket_that_is_one_tensor_is_sent_from_its_own_bytes_even_when_larger_than_a_slot():
+    """A tensor bigger than the bucket cap is its own bucket: it streams slot by slot out of the tensor itself,
+    so the sender never allocates a second copy of it (no staging buffer)."""
+    engine = SinkEngine()
+    receiver, link = local_receiver(engine)
+    small = torch.randn(64)
+    big = torch.randn(256, 1024)  # 1 MiB, 16 slots of 64 KiB
+    try:
+        with Sender(link, transport="shm", bucket_bytes=1 << 16) as sender:
+            sender.push([("small", small)])  # sizes the slots: 64 KiB
+            assert sender.transport.slot_bytes == 1 << 16
+            report = sender.push([("big", big), ("small", small)])
+            assert report.buckets == 2 and torch.equal(engine.tensors["big"], big)
+            assert sender._streamer._staging.tensors == []  # (the streamer's staging buffers: none was needed)
+    finally:
+        receiver.close()
+
+
+def test_the_senders_staging_buffer_is_made_once_and_reused_by_later_buckets_and_updates():
+    """A bucket larger than a slot is packed through the one staging buffer, allocated at the first such bucket."""
+    engine = SinkEngine()
+    receiver, link = local_receiver(engine)
+    big = [(f"t{i}", torch.randn(64, 64)) for i in range(12)]  # 12 x 16 KiB: one 192 KiB bucket
+    try:
+        with Sender(link, transport="shm", bucket_bytes=1 << 20) as sender:
+            sender.push([("s", torch.randn(64))])  # the first update sizes the slots: 64 KiB
+            assert sender.transport.slot_bytes == 1 << 16
+            assert sender._streamer._staging.tensors == []  # (the streamer's staging buffers: not needed yet)
+            sender.push(big)
+            (staging,) = sender._streamer._staging.tensors  # on the CPU, one buffer: its copies are in order
+            assert staging.numel() >= 12 * (1 << 14)
+            again = [(n, t + 1) for n, t in big]
+            sender.push(again)
+            assert len(sender._streamer._staging.tensors) == 1 and sender._streamer._staging.tensors[0] is staging
+            for name, t in again:
+                assert torch.equal(engine.tensors[name], t)
+    finally:
+        receiver.close()
+
+
+def test_a_sender_numbers_its_updates_itself_after_attaching():
+    """The engine's next id comes with the Attach reply; later pushes cost no Status round trip, and a
+    requested id moves the sender's own numbering past it."""
+    receiver = Receiver(SinkEngine(), "cpu")
+    link = CountingLink(receiver)
+    try:
+        with Sender(link, transport="shm") as sender:
+            ids = [sender.push([("w", torch.randn(4))]).update_id for _ in range(3)]
+            assert ids == [ids[0], ids[0] + 1, ids[0] + 2]
+            assert sender.push([("w", torch.randn(4))], update_id=ids[-1] + 5).update_id == ids[-1] + 5
+            assert sender.push([("w", torch.randn(4))]).update_id == ids[-1] + 6
+            assert "Status" not in link.sent, link.sent
+    finally:
+        receiver.close()
+
+
+def test_a_report_carries_what_the_engine_counted_and_no_verify_time_without_a_probe():
+    """``report.delivery`` is the engine's count of what it changed; ``seconds["verify"]`` exists only when
+    the push was verified (it is the engine's share of "commit")."""
+    engine = CountingSink()
+    receiver, link = local_receiver(engine)
+    try:
+        with Sender(link, transport="shm") as sender:
+            report = sender.push([("w", torch.randn(8)), ("b", torch.randn(2))])
+            assert report.delivery is not None and (report.delivery.changed, report.delivery.expected) == (2, 2)
+            assert "verify" not in report.seconds
+            assert set(report.seconds) == {"pack", "transfer", "stage", "prepare", "commit", "total"}
+    finally:
+        receiver.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from colosync.tools.cli import main
-from colosync.tools.handoff import parse_size
+from colosync.tools.subcommand import parse_size
 
 GB = 10**9
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+import msgspec
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from colosync.errors import TransportError, TransportUnavailable
 from colosync.sync.sender import Sender
 from colosync.transports import cuda_ipc
 from colosync.transports.cuda_ipc import CudaIpcHandle, CudaIpcSender
+from colosync.transports.shm import ShmHandle, ShmReceiver, _unlink
 
 NAMED = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torch.ones(5, dtype=torch.bfloat16))]
 
@@ -98,3 +100,18 @@ def test_malformed_handle_is_a_transport_error():
         cuda_ipc.CudaIpcReceiver.open(b"\x00garbage", torch.device("cpu"))
     with pytest.raises(TransportError, match="64 bytes"):
         CudaIpcHandle(b"short", "GPU-x", 1, 64, 2)
+
+
+def test_auto_with_no_transport_the_engine_can_open_names_the_probe_command():
+    """The engine may not see this /dev/shm (another container): each candidate is passed over, and the
+    error says what to run to find out what the machine allows."""
+
+    def engine_elsewhere(name: str, handle: bytes) -> object:
+        if name != "shm":
+            raise TransportError(f"{name} cannot be opened here")
+        _unlink(msgspec.msgpack.decode(handle, type=ShmHandle).name)  # not in the engine's /dev/shm
+        return ShmReceiver.open(handle, torch.device("cpu"))  # raises TransportError: cannot open
+
+    with pytest.raises(TransportUnavailable, match=r"^no transport works here: .*'shm': .*cannot open") as info:
+        transports.attach_first("auto", torch.device("cpu"), 1 << 16, 1, engine_elsewhere)
+    assert str(info.value).endswith("; run `colosync probe` to see what this machine allows")

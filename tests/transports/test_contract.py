@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from colosync import transports
-from colosync.engines.process import EngineAddress, EngineConfig, EngineProcess
+from colosync.control.channel import EngineAddress
+from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, tensor_digests
 from colosync.engines.store import Fetch
 from colosync.sync.sender import Sender

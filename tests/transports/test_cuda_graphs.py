@@ -16,17 +16,17 @@ import msgspec
 import pytest
 import torch
 
+from colosync.control.link import LocalLink
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, SinkEngine, tensor_digests
 from colosync.errors import FingerprintMismatchError, NonFiniteError, TransportError
+from colosync.kernels import fused
 from colosync.sync.landing import LayoutPlan
-from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.sync.target import Staging
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
 from colosync.transports.cuda_ipc import FINGERPRINT_CELLS, CudaIpcHandle
-from colosync.wire import fused
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.manifest import UpdateManifest
 from colosync.wire.protocol import Attach, Begin, Commit, Prepare, Stage

@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 
+from colosync.control.link import LocalLink
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.engines.sink import Digest, SinkEngine, tensor_digests
 from colosync.errors import FingerprintMismatchError, NonFiniteError
-from colosync.sync.link import LocalLink
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.transports import cuda_ipc

@@ -1,4 +1,5 @@
-"""``shm`` specifics beyond the shared contract: the segment's name never outlives its sender; seals."""
+"""``shm`` specifics beyond the shared contract: the segment's name never outlives its sender; seals;
+slot geometry and closed mappings."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import torch
 import colosync
 from colosync.errors import ManifestError, TransportError
 from colosync.transports import shm
-from colosync.transports.shm import ShmReceiver, ShmSender
+from colosync.transports.shm import CHUNK_BYTES, ShmReceiver, ShmSender, _unlink
 from colosync.wire.protocol import Stage
 
 _MAKE = "import torch; from colosync.transports.shm import ShmSender; s = ShmSender(1 << 16, 2, torch.device('cpu'))"
+CPU = torch.device("cpu")
 
 
 def test_a_sender_closed_before_any_receiver_attached_unlinks_its_segment():
@@ -182,3 +184,87 @@ def test_a_segment_smaller_than_its_handle_says_is_refused_with_the_fix():
             ShmReceiver.open(bigger, torch.device("cpu"))
     finally:
         sender.close()
+
+
+# -- slot geometry, and what a closed segment leaves ----------------------------------------------
+
+
+def test_shm_slots_on_the_cpu_are_whole_buckets_however_large():
+    """Cutting a segment into chunk-sized slots pays only where a host->device copy can pipeline (CUDA);
+    a CPU sender keeps one slot per bucket in flight, at the bucket's size."""
+    for bucket in (CHUNK_BYTES // 2, CHUNK_BYTES, 4 * CHUNK_BYTES):
+        assert ShmSender.geometry(bucket, 2, CPU) == (bucket, 2)
+    assert ShmSender.geometry(4 * CHUNK_BYTES, 3, CPU) == (4 * CHUNK_BYTES, 3)
+
+
+@pytest.mark.parametrize(("slot_bytes", "slots"), [(1 << 16, 0), (0, 1), (-8, 2), (1 << 16, -1)])
+def test_a_segment_without_room_for_a_slot_is_refused_and_leaves_nothing(slot_bytes, slots):
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(TransportError, match="needs slot_bytes > 0 and slots > 0"):
+        ShmSender(slot_bytes, slots, CPU)
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_a_closed_senders_slots_are_gone():
+    """After ``close`` the mapping is released: a stale view request fails instead of reading freed memory."""
+    sender = ShmSender(1 << 16, 2, CPU)
+    assert sender.slot(1).numel() == 1 << 16
+    sender.close()
+    with pytest.raises(TransportError, match="segment is closed"):
+        sender.slot(0)
+    sender.close()  # idempotent
+
+
+def test_a_receivers_closed_mapping_is_gone():
+    sender = ShmSender(1 << 16, 1, CPU)
+    try:
+        receiver = ShmReceiver.open(sender.handle(), CPU)
+        receiver.close()
+        with pytest.raises(TransportError, match="segment is closed"):
+            receiver.slot(0)
+    finally:
+        sender.close()
+
+
+def test_a_sender_whose_name_someone_else_removed_still_closes():
+    """A /dev/shm cleaner (or a second receiver's side) may unlink the name first; ``close`` must not fail."""
+    sender = ShmSender(1 << 16, 1, CPU)
+    _unlink(sender._name)  # the real unlink, from elsewhere
+    assert sender._name not in os.listdir("/dev/shm")
+    sender.close()
+    _unlink(sender._name)  # and unlinking a name that is gone is a no-op
+
+
+# -- the segment's name is Python's resource tracker's to clean up until a receiver has mapped it: a sender
+# that dies first leaves nothing in /dev/shm, and one that closes cleanly leaves the tracker nothing to do.
+# Both are checked in a fresh interpreter (its own resource tracker, which only ends with it); each also
+# makes a sender in this process, so that per-test coverage of this process records ``ShmSender``.
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that imports this same colosync (the one under test, wherever it is)."""
+    root = str(Path(colosync.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_sender_that_dies_before_any_receiver_mapped_its_segment_leaves_nothing_behind():
+    ShmSender(1 << 16, 1, CPU).close()  # (in this process too: see the comment above)
+    child = _python(_MAKE + "; import os; print(s._name, flush=True); os._exit(0)")  # dies without close()
+    name = child.stdout.strip()
+    assert name.startswith("colosync-"), child.stderr
+    try:
+        deadline = time.monotonic() + 30
+        while name in os.listdir("/dev/shm") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name not in os.listdir("/dev/shm"), "the dead sender's segment outlived it"
+    finally:
+        _unlink(name)
+
+
+def test_a_sender_that_closes_leaves_the_resource_tracker_nothing_to_clean_up():
+    ShmSender(1 << 16, 1, CPU).close()  # (in this process too: see the comment above)
+    child = _python(_MAKE + "; name = s._name; s.close(); print(name)")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip().startswith("colosync-")
+    assert "leaked" not in child.stderr and "Traceback" not in child.stderr, child.stderr

@@ -107,8 +107,8 @@ def test_fingerprint_adds_up_over_chunks():
 
 
 def test_float_runs_and_segments_stop_at_other_dtypes():
+    from colosync.kernels.fused import segments
     from colosync.wire.bucket import float_runs
-    from colosync.wire.fused import segments
 
     specs = [
         ("a", (3, 5), torch.bfloat16),
@@ -129,7 +129,7 @@ def test_float_runs_and_segments_stop_at_other_dtypes():
 
 
 def test_copy_check_copies_fingerprints_and_flags_nonfinite():
-    from colosync.wire.fused import copy_check, segments
+    from colosync.kernels.fused import copy_check, segments
 
     named = [("w", torch.randn(40, 3)), ("n", torch.arange(5, dtype=torch.int64)), ("h", torch.randn(9).half())]
     layout = plan_buckets(specs_of(named), 1 << 20)
@@ -145,3 +145,15 @@ def test_copy_check_copies_fingerprints_and_flags_nonfinite():
     tensor_views(buf, metas)["h"][4] = 0
     buf[metas[1].offset : metas[1].offset + 8] = 255  # an int tensor full of ones is no NaN
     assert copy_check(buf, None, segs).tolist()[1] == 0
+
+
+@pytest.mark.parametrize("size", [8, 72])
+def test_changing_any_byte_of_a_small_bucket_changes_its_fingerprint(size):
+    """A bucket's fingerprint notices every changed byte, however short the bucket (buckets are whole words)."""
+    buf = torch.arange(size, dtype=torch.uint8) * 37 + 11
+    before = fingerprint(buf)
+    for i in range(size):
+        changed = buf.clone()
+        changed[i] ^= 0x5A
+        assert fingerprint(changed) != before, f"byte {i} of {size} changed, fingerprint did not"
+    assert fingerprint(torch.empty(0, dtype=torch.uint8)) == 0

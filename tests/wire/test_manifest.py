@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from colosync.errors import ManifestError
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.manifest import (
+    ALIGN,
     Layout,
     LoraSpec,
     TensorMeta,
@@ -137,3 +138,25 @@ def test_the_manifest_digest_names_layout_kind_and_lora_not_the_update_id():
     changed = as_dict(first)
     changed["layout"]["tensors"][0]["name"] += "x"
     assert manifest_digest(decode_manifest(msgspec.msgpack.encode(changed))) != digest
+
+
+@pytest.mark.parametrize("alpha", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_lora_alpha_that_is_not_a_positive_finite_number_is_refused(alpha):
+    with pytest.raises(ManifestError, match="alpha must be a positive number"):
+        LoraSpec(rank=8, alpha=alpha, target_modules=("q_proj",))
+
+
+def test_a_small_positive_lora_alpha_is_accepted():
+    spec = LoraSpec(rank=8, alpha=0.5, target_modules=("q_proj",))
+    assert spec.scaling == 0.5 / 8
+
+
+def test_a_layout_may_hold_an_empty_bucket_but_not_a_negative_or_unaligned_one():
+    """Zero-size tensors make a bucket of 0 bytes, which is valid; a negative or unaligned size is not."""
+    empty = plan_buckets([("e", (0,), torch.float32), ("f", (0, 3), torch.bfloat16)], 1 << 16)
+    assert empty.bucket_sizes == (0,)
+    meta = TensorMeta(name="e", dtype="float32", shape=(0,), bucket=0, offset=0, nbytes=0)
+    assert Layout((meta,), (0,)).bucket_sizes == (0,)
+    for bad in (-ALIGN, ALIGN // 2):
+        with pytest.raises(ManifestError, match="must be >= 0 and a multiple"):
+            Layout((meta,), (bad,))

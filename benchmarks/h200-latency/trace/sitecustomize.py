@@ -53,7 +53,7 @@ if os.environ.get("COLOSYNC_TRACE_DIR"):
         sender = m("colosync.sync.sender")
         pipeline = m("colosync.sync.pipeline")
         plan = m("colosync.sync.plan")
-        channel = m("colosync.engines.channel")
+        channel = m("colosync.control.channel")
         host = m("colosync.engines.host")
         receiver = m("colosync.sync.receiver")
         landing = m("colosync.sync.landing")
@@ -111,7 +111,7 @@ if os.environ.get("COLOSYNC_TRACE_DIR"):
         if hasattr(plan, "LayoutChanged"):  # session 9 on: the plan by names, each bucket checked
             _wrap(plan.Plans, "named", "T.plans_named")
             _wrap(plan.Plan, "check", "T.plan_check")
-        gather = m("colosync.wire.gather")
+        gather = m("colosync.kernels.gather")
         _wrap(gather.GatherTable, "bind", "T.gather_bind")
 
     try:

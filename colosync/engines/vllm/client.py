@@ -24,7 +24,7 @@ from colosync.engines.vllm.link import (
     version_of,
 )
 from colosync.engines.vllm.worker import WorkerInfo
-from colosync.errors import EngineError, FailedClosedError
+from colosync.errors import EngineError
 from colosync.wire.protocol import Status
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -55,8 +55,7 @@ class _EngineClient:
 
         Raises ``FailedClosedError`` while the engine refuses to serve.
         """
-        if not self.link.serving:
-            raise FailedClosedError(self.link.failed_closed)
+        self.link.transaction.refuse_unless_serving("generation with the colosync adapter")
         if not self.link.lora_update_id:
             raise EngineError(
                 "this engine serves no colosync LoRA adapter: none was committed yet, or a full update dropped it "

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from colosync.engines.host import codecs
+from colosync.control.door import codecs
 from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, WORKER_EXTENSION, WorkerInfo
-from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError, FailedClosedError
-from colosync.sync.delivery import verified_commit
+from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError
 from colosync.sync.link import Done
-from colosync.wire.protocol import Ack, Commit, Failed, Probe, Revert, Status, TransactionRequest
+from colosync.sync.transaction import EngineTransaction
+from colosync.wire.protocol import Ack, Failed, Probe, Status, TransactionRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.lora.request import LoRARequest
@@ -104,26 +104,50 @@ def score_completions(
     return result, versions
 
 
+class _Workers:
+    """The Receivers in vLLM's workers as one: every message to every worker, and all must agree."""
+
+    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
+        self._rpc = rpc
+        self._requests, self._replies = codecs()
+
+    def handle(self, request: TransactionRequest) -> Ack:
+        replies = [self._replies.decode(bytes(r)) for r in self._rpc("colosync_handle", self._requests.encode(request))]
+        if not replies:
+            raise EngineError("collective_rpc returned no worker replies; is the engine running?")
+        for reply in replies:
+            if isinstance(reply, Failed):
+                raise reply.to_exception()
+        committed = {r.committed_update_id for r in replies}
+        if len(committed) != 1:
+            raise EngineError(
+                f"vLLM workers disagree on the committed update ({sorted(committed)}); a commit "
+                "failed on some ranks: restart the engine, then push a full update"
+            )
+        return msgspec.structs.replace(replies[0], serving=all(r.serving for r in replies))
+
+    def check_timeout(self) -> None:
+        pass  # every worker's Receiver keeps its own clock
+
+    def close(self) -> None:
+        pass
+
+
 class _VllmLinkBase:
     """``colosync.sync.link.Link`` over ``collective_rpc``; subclasses say how to reach vLLM.
 
-    Every worker gets every message (each receives the full update; vLLM shards it) and all
-    must agree. ``Commit`` is wrapped in pause -> commit -> label version -> reset prefix
-    cache -> resume, so no request ever sees two versions; ``Revert`` the same way. A
-    ``Commit`` with a ``Probe`` is verified here, after resume (see the module docstring).
-    ``serving`` is False while the workers fail closed.
+    The engine's ``EngineTransaction`` lives here, in front of the workers' Receivers, and this
+    link is its ``Serving``: ``switch`` wraps a commit or revert in pause -> apply -> label
+    version -> reset prefix cache -> resume, so no request ever sees two versions; ``score``
+    scores a probe after resume (see the module docstring).
     """
 
     def __init__(self, commit_mode: CommitMode = "wait") -> None:
         if commit_mode not in ("wait", "keep"):
             raise ConfigError(f"commit_mode must be 'wait' or 'keep', got {commit_mode!r}")
         self.commit_mode = commit_mode
-        self._requests, self._replies = codecs()  # one pair per link: the codec caches the last Begin
-        self._lock = threading.Lock()
-        self.lora_update_id = 0
-        self.committed_update_id = 0
-        self.serving = True
-        self.failed_closed = ""  # why the engine refuses to serve, while it does
+        self.workers = _Workers(self._rpc)
+        self.transaction = EngineTransaction(self.workers, self)
 
     # -- what subclasses provide ------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -145,7 +169,21 @@ class _VllmLinkBase:
         """One sequence through the engine; returns its final ``RequestOutput``."""
         raise NotImplementedError
 
-    # -- scoring ----------------------------------------------------------------------------
+    # -- what the engine serves -----------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        """False while the workers fail closed."""
+        return self.transaction.serving
+
+    @property
+    def committed_update_id(self) -> int:
+        return self.transaction.committed_update_id
+
+    @property
+    def lora_update_id(self) -> int:
+        """The update whose adapter the workers apply (0: none)."""
+        return self.transaction.adapter
+
     def score(
         self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], lora: Any = None
     ) -> tuple[list[list[float]], set[int]]:
@@ -154,23 +192,45 @@ class _VllmLinkBase:
 
     def default_lora(self) -> Any:
         """What generation uses by default: the committed colosync adapter, else the base model (None)."""
-        if not self.serving:
-            raise FailedClosedError(self.failed_closed or "the vLLM engine refuses to serve; push a good update")
-        return colosync_lora_request() if self.lora_update_id else None
+        self.transaction.refuse_unless_serving("generation")
+        return colosync_lora_request() if self.transaction.adapter else None
+
+    # -- Serving ------------------------------------------------------------------------------
+    def switch(self, apply: Callable[[], Ack]) -> Ack:
+        """Run ``apply`` with generation paused; label the version it leaves and drop stale KV."""
+        self._pause()
+        try:
+            try:
+                ack = apply()
+            except DeliveryError:  # the workers committed, found it wrong and undid it (or failed closed)
+                self._relabel(self.workers.handle(Status()))  # what they serve now
+                raise
+            self._relabel(ack)
+        finally:
+            self._resume()
+        return ack
+
+    def _relabel(self, ack: Ack) -> None:
+        self._label(str(ack.committed_update_id))
+        if not self._reset_prefix_cache():
+            log.warning("colosync: vLLM did not reset its prefix cache at update %d", ack.committed_update_id)
+
+    def score_probe(self, probe: Probe) -> tuple[list[list[float]], set[int]]:
+        """The probe scored the way the engine serves by default (``default_lora``)."""
+        return self.score(probe.prompts, probe.completions, self.default_lora())
 
     # -- Link -------------------------------------------------------------------------------
     def submit(self, request: TransactionRequest) -> Done:
         try:
-            with self._lock:
-                if isinstance(request, Commit):  # the workers never see the probe: this link scores it
-                    return Done(verified_commit(self._switch, request, self._score_probe))
-                if isinstance(request, Revert):
-                    return Done(self._switch(request))
-                return Done(self._call(request))
+            return Done(self.transaction.handle(request))
         except ColosyncError as exc:
             return Done(error=exc)
         except Exception as exc:  # vLLM itself failed: the engine is gone or broken
             return Done(error=EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}"))
+
+    def submit_batch(self, requests: list[TransactionRequest]) -> list[Done]:
+        """Each request in order, as an engine host answers a ``Batch``: one reply each, failures included."""
+        return [self.submit(request) for request in requests]
 
     def close(self) -> None:
         pass
@@ -187,70 +247,8 @@ class _VllmLinkBase:
                 ) from exc
             raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
         infos = [_INFO.decode(bytes(r)) for r in replies]
-        with self._lock:
-            self.committed_update_id = max(i.committed_update_id for i in infos)
-            self.lora_update_id = max(i.lora_update_id for i in infos)
-            self._set_serving(all(i.serving for i in infos), self.committed_update_id)
+        self.transaction.status()  # what the workers serve now
         return infos
-
-    # -- internals --------------------------------------------------------------------------
-    def _call(self, request: TransactionRequest) -> Ack:
-        data = self._requests.encode(request)
-        replies = [self._replies.decode(bytes(r)) for r in self._rpc("colosync_handle", data)]
-        if not replies:
-            raise EngineError("collective_rpc returned no worker replies; is the engine running?")
-        for reply in replies:
-            if isinstance(reply, Failed):
-                raise reply.to_exception()
-        committed = {r.committed_update_id for r in replies}
-        if len(committed) != 1:
-            raise EngineError(
-                f"vLLM workers disagree on the committed update ({sorted(committed)}); a commit "
-                "failed on some ranks: restart the engine, then push a full update"
-            )
-        ack = replies[0]
-        self.committed_update_id = ack.committed_update_id
-        self.lora_update_id = ack.adapter  # what every reply says the workers apply now
-        self._set_serving(all(r.serving for r in replies), ack.committed_update_id)
-        return ack
-
-    def _set_serving(self, serving: bool, update_id: int) -> None:
-        if serving:
-            self.failed_closed = ""
-        elif self.serving or not self.failed_closed:
-            self.failed_closed = (
-                f"the vLLM engine refuses to serve (failed closed): update {update_id} committed but failed "
-                "verification and a full update cannot be rolled back; push a good update (a full one that "
-                "commits) to serve again"
-            )
-        self.serving = serving
-
-    def _switch(self, request: Commit | Revert) -> Ack:
-        """Send ``request`` with generation paused; label the version it leaves and drop stale KV."""
-        self._pause()
-        try:
-            try:
-                ack = self._call(request)
-            except DeliveryError:  # the workers committed, found it wrong and undid it (or failed closed)
-                self._relabel(self._call(Status()), request)  # what they serve now
-                raise
-            self._relabel(ack, request)
-        finally:
-            self._resume()
-        return ack
-
-    def _relabel(self, ack: Ack, request: Commit | Revert) -> None:
-        self._label(str(ack.committed_update_id))
-        if not self._reset_prefix_cache():
-            log.warning(
-                "colosync: vLLM did not reset its prefix cache after %s of update %d",
-                type(request).__name__.lower(),
-                request.update_id,
-            )
-
-    def _score_probe(self, probe: Probe) -> tuple[list[list[float]], set[int]]:
-        """The probe scored the way the engine serves by default (``default_lora``)."""
-        return self.score(probe.prompts, probe.completions, self.default_lora())
 
 
 class VllmLink(_VllmLinkBase):

@@ -24,7 +24,7 @@ import torch
 
 from colosync.errors import SleepModeUnavailable
 from colosync.handoff.model.ops import Region
-from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport
+from colosync.handoff.model.participants import EngineMemory, Footprint, OpReport
 from colosync.handoff.runtime.sampling import HostSampler
 
 

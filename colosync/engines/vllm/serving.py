@@ -6,10 +6,9 @@ lets one driver talk to vLLM or the hf engine through one link, in an ``EnginePr
 Ray actor alike. Transaction messages go on to the Receivers in vLLM's workers through
 ``VllmEngine.link``; every reply carries the update id vLLM says produced it.
 
-Verification. The host checks a ``Commit``'s ``Probe`` itself (it calls ``Score`` and sends
-``Revert`` on a deviation) and hands the link a plain ``Commit``: the link, which verifies
-probes for an in-process ``VllmEngine``, does not verify a second time here. Its ``Revert``
-choreography (pause, revert, relabel, resume) still applies.
+One transaction. The host serves the link's own ``EngineTransaction``: the one an in-process
+``VllmEngine`` pushes through, so ownership, the commit choreography (pause, commit, relabel,
+resume) and the verification of a probe are the same here and there.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import os
 from typing import Any, ClassVar
 
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
-from colosync.engines.host import LinkTransactions
 from colosync.errors import EngineError, ManifestError
+from colosync.sync.target import ReceiverPolicy
+from colosync.sync.transaction import EngineTransaction
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ class VllmServing:
         )
         return cls(llm)
 
-    def transactions(self, policy: Any) -> LinkTransactions:
+    def transaction(self, policy: ReceiverPolicy | None) -> EngineTransaction:
         # The workers' Receivers run with their own default policy; vLLM's collective RPC
-        # reaches them only through the worker extension. The host verifies probes itself.
-        return LinkTransactions(self.engine.link, on_close=self.close)
+        # reaches them only through the worker extension.
+        return self.engine.link.transaction
 
     def close(self) -> None:
         """Shut the engine core down (its processes end with it); the host is closing."""

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.engines.host import EngineHost, codecs
+from colosync.control.door import Door
 from colosync.errors import ConfigError, RankError, UnknownTensorError, UpdateRejected
 from colosync.sync.receiver import Receiver
 from colosync.sync.staging import FullFootprint, HostStaging, full_footprint, return_cached
@@ -59,8 +59,9 @@ from colosync.sync.target import (
     tied_parameters,
     untie,
 )
+from colosync.sync.transaction import Layouts
 from colosync.wire.manifest import UpdateManifest
-from colosync.wire.protocol import Failed
+from colosync.wire.protocol import Ack, Begin, Failed, TransactionRequest
 
 log = logging.getLogger(__name__)
 
@@ -533,12 +534,34 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "base_layer", module)
 
 
+class WorkerDoor:
+    """What each worker runs: its Receiver behind a ``Door`` (bytes in, a reply out, never a raise).
+
+    Ownership and verification are the driver's (the link's ``EngineTransaction``); a worker
+    only lands and applies what every worker is sent.
+    """
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+        self._door = Door(status=receiver.status)
+        self._layouts = Layouts()  # each Begin arrives as bytes: its Layout becomes the known object again
+        self._lock = threading.Lock()
+
+    def serve(self, data: bytes) -> bytes:
+        with self._lock:
+            return self._door.serve(data, self._handle)
+
+    def _handle(self, request: TransactionRequest) -> Ack:
+        if isinstance(request, Begin):
+            request = Begin(self._layouts.intern(request.manifest)[0])
+        return self.receiver.handle(request)
+
+
 class _WorkerState:
     def __init__(self, worker: Any) -> None:
         self.target = VllmTarget(worker)
         self.receiver = Receiver(self.target, device=_receiver_device(worker), policy=ReceiverPolicy())
-        self.host = EngineHost(self.receiver)  # one per worker: its codec caches the last Begin
-        self.lock = threading.Lock()
+        self.door = WorkerDoor(self.receiver)
 
 
 CPU_MIN_HEAD_SIZE = 32
@@ -577,9 +600,8 @@ class ColosyncWorkerExtension:
             state = self.colosync_state()
         except Exception as exc:
             log.exception("colosync: cannot set up the receiver in this worker")
-            return codecs()[1].encode(Failed.from_exception(exc))
-        with state.lock:
-            return state.host.handle_bytes(data)
+            return Door().encode(Failed.from_exception(exc))
+        return state.door.serve(data)
 
     def colosync_info(self) -> bytes:
         state = self.colosync_state()
@@ -612,6 +634,7 @@ __all__ = [
     "IN_MEMORY_PATH",
     "VllmTarget",
     "WORKER_EXTENSION",
+    "WorkerDoor",
     "WorkerInfo",
     "loaded_layers",
     "placed_lora_modules",

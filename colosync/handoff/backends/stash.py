@@ -28,7 +28,7 @@ import torch
 
 from colosync.errors import StashError
 from colosync.handoff.backends.host_pool import HostLease, HostPool
-from colosync.handoff.runtime.participants import COUNTERS, OpReport
+from colosync.handoff.model.participants import COUNTERS, OpReport
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from colosync.errors import ConfigError, UnsupportedOperation
 from colosync.handoff.model.ops import Region
-from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
+from colosync.handoff.model.participants import Footprint, OpReport, TrainerMemory
 
 
 def tms_available() -> tuple[bool, str]:

@@ -23,7 +23,7 @@ import torch
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.stash import TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
-from colosync.handoff.runtime.participants import EngineMemory, Footprint, OpReport
+from colosync.handoff.model.participants import EngineMemory, Footprint, OpReport
 
 KVSource = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor] | None
 

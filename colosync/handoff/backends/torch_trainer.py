@@ -22,7 +22,7 @@ from colosync.errors import ConfigError
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.stash import StashStats, TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
-from colosync.handoff.runtime.participants import Footprint, OpReport, TrainerMemory
+from colosync.handoff.model.participants import Footprint, OpReport, TrainerMemory
 
 Loader = Callable[[], "tuple[torch.nn.Module, torch.optim.Optimizer | None]"]
 

@@ -33,7 +33,7 @@ from colosync.errors import ColosyncError, ConfigError, HandoffError, Participan
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.model.ops import HOST_COPIES, Op, Region
-from colosync.handoff.runtime.participants import (
+from colosync.handoff.model.participants import (
     EngineMemory,
     Footprint,
     MemoryParticipant,

@@ -35,8 +35,7 @@ import msgspec
 
 from colosync.errors import ColosyncError, ConfigError
 from colosync.tools.bench.machine import run_header
-from colosync.tools.handoff import parse_size
-from colosync.tools.subcommand import add_subcommand
+from colosync.tools.subcommand import add_subcommand, parse_size
 
 PATHS = ("fsdp_source", "full_tensor_stream", "full_tensor_all")
 
@@ -120,7 +119,7 @@ def _rank_body(rank: int, cfg_bytes: bytes, address_bytes: bytes, port: int) -> 
     import torch
     import torch.distributed as dist
 
-    from colosync.engines.config import EngineAddress
+    from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
     from colosync.engines.sink import Digest, tensor_digests
     from colosync.sources.fsdp import FsdpSource

@@ -201,3 +201,12 @@ def test_schedule_orders_phases():
     assert names == ["init", "rollout_to_train", "train_to_rollout", "rollout_to_train", "train_to_rollout"]
     with pytest.raises(PlanError):
         plan.schedule(-1)
+
+
+@pytest.mark.parametrize("options", [{"peak_device": "cpu"}, {"peak_device": "gpu"}, {"engine_weight_backup": False}])
+def test_a_built_plan_round_trips_through_json_as_data(options):
+    """A handoff is a plan, not a code path: it can be written out and read back, typed, unchanged."""
+    plan = build_plan(**options)
+    again = msgspec.json.decode(msgspec.json.encode(plan), type=Plan)
+    assert again == plan
+    assert all(isinstance(step.why, str) for phase in plan.phases for step in phase.steps)

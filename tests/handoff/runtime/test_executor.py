@@ -11,12 +11,8 @@ from colosync.handoff import HandoffError, HandoffInvariantError, Op, OpReport, 
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
-from colosync.handoff.runtime.executor import (
-    DeviceBudget,
-    HandoffExecutor,
-    HostBudget,
-    NoCoexistingHostCopies,
-)
+from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.invariants import DeviceBudget, HostBudget, NoCoexistingHostCopies
 from tests.helpers import CHUNK, make_engine_state, make_trainer_state
 
 

@@ -10,8 +10,8 @@ from colosync.handoff import HandoffInvariantError, Region, build_plan
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
+from colosync.handoff.model.participants import WeightSync
 from colosync.handoff.runtime.executor import HandoffExecutor
-from colosync.handoff.runtime.participants import WeightSync
 from tests.helpers import CHUNK, make_trainer_state
 
 MiB = 1 << 20

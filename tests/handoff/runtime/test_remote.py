@@ -12,14 +12,16 @@ import msgspec
 import pytest
 import torch
 
-from colosync.engines.config import EngineAddress, Generate
+from colosync.control.channel import EngineAddress
+from colosync.engines.config import Generate
 from colosync.engines.process import EngineConfig, EngineProcess
 from colosync.errors import HandoffInvariantError, ParticipantError
 from colosync.handoff import PhaseName, Region, build_plan
 from colosync.handoff.backends.arena import PREFIX, HostArena
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
-from colosync.handoff.runtime.executor import HandoffExecutor, NoCoexistingHostCopies
+from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.invariants import NoCoexistingHostCopies
 from colosync.wire.protocol import MemoryOp
 from tests.helpers import CHUNK, make_trainer_state
 
@@ -170,7 +172,8 @@ def test_a_controller_drives_a_trainer_process_and_an_engine_process(big_engine)
 def test_remote_engine_in_a_ray_actor(big_model_dir):
     """The same requests through a Ray actor's ``handle``: cpu order, the mirror measured in the actor."""
     ray = pytest.importorskip("ray")
-    from colosync.engines.ray_actor import EngineActor, RayLink, remote_engine_memory
+    from colosync.control.ray import RayLink
+    from colosync.engines.ray_actor import EngineActor, remote_engine_memory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -44,7 +44,6 @@ from typing import Any
 
 import msgspec
 
-from colosync.engines.config import EngineAddress
 from colosync.errors import AuthenticationError, EngineError, ManifestError
 from colosync.sync.link import Pending, batch_parts, unwrap
 from colosync.wire.protocol import MAX_MESSAGE_BYTES, Batch, Codec, Commit, Failed, Hello, Prepare, Stage
@@ -63,6 +62,13 @@ def _digest(key: bytes, challenge: bytes) -> bytes:
 
 def frame(data: bytes) -> bytes:
     return _HEADER.pack(len(data)) + data
+
+
+class EngineAddress(msgspec.Struct, frozen=True):
+    """Where a running engine listens; hand it to another process to connect there."""
+
+    path: str
+    authkey: bytes
 
 
 class Deadlines(msgspec.Struct, frozen=True):
@@ -437,7 +443,7 @@ class _Pending:
         return unwrap(self.reply)
 
 
-__all__ = ["ChannelServer", "Deadlines", "SocketLink", "frame"]
+__all__ = ["ChannelServer", "Deadlines", "EngineAddress", "SocketLink", "frame"]
 
 
 def _peer_pid(sock: socket.socket) -> int | None:

@@ -21,9 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from colosync.engines import channel
-from colosync.engines.channel import ChannelServer, Deadlines
-from colosync.engines.config import EngineAddress
+from colosync.control import channel
+from colosync.control.channel import ChannelServer, Deadlines, EngineAddress
 from tests.faults.clients import HEADER, raw_client
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from colosync.kernels.gather import CHUNK, GatherTable
 from colosync.sync.plan import Plan
-from colosync.wire.gather import CHUNK, GatherTable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ CHECK = textwrap.dedent(
     """
     import torch
     from colosync.sync.plan import Plan, ViewKey
-    from colosync.wire import gather
+    from colosync.kernels import gather
     from colosync.wire.bucket import fingerprint_tensor
 
     device = torch.device(DEVICE)

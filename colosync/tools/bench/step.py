@@ -4,7 +4,7 @@ The demo's model is tiny, so its handoff and sync say nothing about what a step 
 the engine's weights are 16 GB and its KV cache fills the GPU. This runs the same topology
 (engine and trainer in their own processes, this process the controller, one host arena,
 the executor measuring every process and the device) with the synthetic engine and trainer
-(``colosync.engines.synthetic``, ``colosync.demo.synthetic``) at the sizes given: every step
+(``colosync.engines.synthetic``, ``colosync.colocated.synthetic``) at the sizes given: every step
 the engine serves (it fingerprints every weight), the handoff gives the device to the
 trainer, the trainer takes an Adam step (fp32 moments), and the handoff gives it back with
 a full sync inside (staged in the arena, installed at commit). The engine's fingerprints
@@ -31,7 +31,7 @@ from typing import Any
 
 from colosync.errors import ColosyncError, ParityError
 
-TRAINER = "colosync.demo.synthetic:SyntheticTrainer"
+TRAINER = "colosync.colocated.synthetic:SyntheticTrainer"
 MARGIN = 8 << 30  # device memory left free at the rollout peak for CUDA contexts and temporaries
 
 
@@ -174,8 +174,8 @@ def _run_mode(
     console: Any,
     progress: Callable[[StepBenchReport], None] | None,
 ) -> None:
-    from colosync.demo.colocated import Colocated
-    from colosync.demo.launch import Cluster
+    from colosync.colocated.cluster import Cluster
+    from colosync.colocated.step import Colocated
     from colosync.engines.synthetic import Digest
 
     trainer_kwargs = dict(
@@ -200,17 +200,19 @@ def _run_mode(
     colo: Colocated | None = None
     try:
         colo = Colocated(cluster, mode, bucket_bytes=options.bucket_bytes, host_scope=options.host_scope)
-        sizes = colo.sizes
+        assert colo.handoff is not None
+        sizes, arena_bytes = colo.handoff.sizes, colo.arena_bytes
         report.trainer_resident_bytes, report.trainer_backup_bytes = (
             sizes.trainer_resident_bytes,
             sizes.trainer_backup_bytes,
         )
         bucket = min(sizes.sync_bucket_bytes, sizes.sync_bytes)
         started = time.perf_counter()
-        init = colo.phase("init")
+        init = colo.init()
+        assert init is not None
         out = ModeReport(
             mode,
-            colo.arena.nbytes,
+            arena_bytes,
             max(sizes.engine_weight_bytes, sizes.trainer_backup_bytes),
             bucket * (sizes.sync_slots + 1),
             time.perf_counter() - started,
@@ -218,7 +220,7 @@ def _run_mode(
         if init.violations:
             console.print(f"[bold red]init:[/] {init.violations}")
         console.print(
-            f"[bold]{mode}[/] mode: arena {colo.arena.nbytes / 1e9:.1f} GB, "
+            f"[bold]{mode}[/] mode: arena {arena_bytes / 1e9:.1f} GB, "
             f"trainer {sizes.trainer_resident_bytes / 1e9:.1f} GB on the device "
             f"({sizes.trainer_backup_bytes / 1e9:.1f} GB backed up), init {out.init_s:.1f} s"
         )
@@ -238,34 +240,34 @@ def _run_mode(
 
 
 def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_request: Any) -> StepRow:
-    t = time.perf_counter()
-    cluster.driver.call(digest_request())  # the rollout stand-in: the engine reads every weight it serves
-    serve_s = time.perf_counter() - t
-    previous = colo.last_sync
-    r2t = colo.phase("rollout_to_train")
-    train_s = float(cluster.trainer.call("train_step"))
-    want = cluster.trainer.call("digest")  # what the trainer holds now, before its sleep
-    t2r = colo.phase("train_to_rollout")
-    sync = colo.last_sync
-    if sync is None or sync is previous:
-        raise ColosyncError(f"step {step}: train_to_rollout ran no sync (the plan has no sync.weights step)")
-    served = cluster.driver.call(digest_request())
-    if served.update_id != sync.update_id or list(served.fingerprints) != list(want):
-        wrong = sum(a != b for a, b in zip(served.fingerprints, want, strict=False)) + abs(
-            len(served.fingerprints) - len(want)
-        )
-        raise ParityError(
-            f"step {step}: the engine serves update {served.update_id} (the sync committed {sync.update_id}) and "
-            f"{wrong} of {len(want)} weights differ from the trainer's"
-        )
+    """One ``Colocated.step``: the engine serves (reads every weight), the trainer steps, the
+    full sync; then the engine's fingerprints must be the trainer's, from the synced version."""
+
+    def train(_served: Any) -> tuple[float, list[int]]:  # the step, and what the trainer holds before its sleep
+        return float(cluster.trainer.call("train_step")), cluster.trainer.call("digest")
+
+    def check(trained: tuple[float, list[int]], sync: Any) -> None:
+        want, served = trained[1], cluster.driver.call(digest_request())
+        if served.update_id != sync.update_id or list(served.fingerprints) != list(want):
+            wrong = sum(a != b for a, b in zip(served.fingerprints, want, strict=False)) + abs(
+                len(served.fingerprints) - len(want)
+            )
+            raise ParityError(
+                f"step {step}: the engine serves update {served.update_id} (the sync committed {sync.update_id}) "
+                f"and {wrong} of {len(want)} weights differ from the trainer's"
+            )
+
+    # the rollout stand-in: the engine reads every weight it serves
+    record = colo.step(lambda: cluster.driver.call(digest_request()), train, check=check)
+    r2t, t2r, sync = record.rollout_to_train, record.train_to_rollout, record.sync
     handoff_floor = _floor(r2t.bytes_to_host + t2r.bytes_to_host, r2t.bytes_to_device + t2r.bytes_to_device, rates)
     return StepRow(
         step=step,
-        serve_s=serve_s,
+        serve_s=record.rollout_s,
         rollout_to_train_s=r2t.seconds,
-        train_s=train_s,
+        train_s=record.trained[0],
         train_to_rollout_s=t2r.seconds,
-        sync_s=t2r.sync_seconds,
+        sync_s=record.sync_s,
         sync_bytes=sync.bytes,
         sync_device_extra_bytes=t2r.sync_device_extra_bytes,
         host_copies_peak_bytes=max(r2t.host_copies_peak_bytes, t2r.host_copies_peak_bytes),
@@ -274,7 +276,7 @@ def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_re
         handoff_floor_s=handoff_floor,
         sync_floor_s=_floor(sync.bytes, sync.bytes, rates),
         update_id=sync.update_id,
-        violations=[*r2t.violations, *t2r.violations],
+        violations=record.violations,
         op_seconds={f"{p.phase}/{op}": sec for p in (r2t, t2r) for op, sec in p.op_seconds.items()},
         op_bytes={f"{p.phase}/{op}": n for p in (r2t, t2r) for op, n in p.op_bytes.items()},
     )
@@ -374,7 +376,7 @@ def print_summary(report: StepBenchReport, console: Any) -> None:
 
 # -- CLI ---------------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
-    from colosync.tools.handoff import parse_size
+    from colosync.tools.subcommand import parse_size
 
     p = sub.add_parser(
         "bench-step",

@@ -1,4 +1,4 @@
-"""A trainer of a given size for ``colosync bench-step``: bf16 weights, fp32 Adam, full pushes.
+"""A trainer of a given size, to rehearse a colocated step: bf16 weights, fp32 Adam, full pushes.
 
 The memory of a colocated step is set by sizes: the trainer's weights (which it pushes whole
 into the engine, the same ``SyntheticModel`` the synthetic engine serves), its gradient
@@ -7,8 +7,9 @@ them with ``optimizer_shards=N``: one rank's share of a distributed optimizer). 
 update with the moments in fp32 (the bf16 weights updated from fp32 arithmetic, one tensor
 at a time) on gradients drawn from a seeded generator, so every push changes every byte the
 engine serves and the parity check (``digest`` here against the engine's ``Digest``) means
-something. It runs in a plain process or a Ray actor like the demo's ``TrainerActor``, with
-its memory served to the controller's executor through ``handoff``.
+something. It runs in a plain process or a Ray actor like any ``ServedTrainer``, with its
+memory served to the controller's executor through ``handoff``; ``colosync bench-step`` runs
+it against the synthetic engine at a job's sizes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import msgspec
 import torch
 
-from colosync.demo.actors import ServedTrainer, TrainerPlan, engine_link
+from colosync.colocated.trainer import ServedTrainer, TrainerPlan, as_probe, engine_link
 from colosync.engines.synthetic import SyntheticModel, digest
 from colosync.errors import ConfigError
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, Sender
@@ -167,10 +168,10 @@ class SyntheticTrainer(ServedTrainer):
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
-    def push(self) -> bytes:
+    def push(self, probe: Any = None) -> bytes:
         assert self.model is not None, "the trainer is not loaded"
         named = [(f"{name}", p.detach()) for name, p in self.model.named_parameters()]
-        return msgspec.msgpack.encode(self.sender.push(named))
+        return msgspec.msgpack.encode(self.sender.push(named, verify=as_probe(probe)))
 
     def digest(self) -> list[int]:
         assert self.model is not None, "the trainer is not loaded"

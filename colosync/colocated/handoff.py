@@ -1,12 +1,12 @@
-"""The demo's memory handoff: one plan, one host arena, one executor for the whole job.
+"""A colocated job's memory handoff: one plan, one host arena, one executor for the whole job.
 
-The engine and the trainer live in their own processes (``colosync.demo.launch``); this
-process is the controller. It sizes one node-wide ``HostArena`` from the plan (pinned once
-for the job), has both participants map it, and runs each phase of the plan through a
+The engine and the trainer live in their own processes (``colosync.colocated.cluster``); this
+process is the controller. ``Handoff`` sizes one node-wide ``HostArena`` from the plan (pinned
+once for the job), has both participants map it, and runs each phase of the plan through a
 ``HandoffExecutor`` that measures every process's host memory and the device while it runs,
-so the per-step table shows each handoff's seconds and peaks against what the plan expects
-and every broken invariant. The weight sync is the plan's ``sync.weights`` step inside
-``train_to_rollout``: the trainer pushes its LoRA once the engine's weights are back.
+so each phase comes back as a ``PhaseStats``: its seconds and peaks against what the plan
+expects, and every broken invariant. The weight sync is the plan's ``sync.weights`` step
+inside ``train_to_rollout``: ``push()`` runs there, once the engine's weights are back.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ from typing import Any
 
 import msgspec
 
-from colosync.demo.actors import TrainerPlan
-from colosync.demo.launch import Cluster
+from colosync.colocated.cluster import Cluster
+from colosync.colocated.trainer import TrainerPlan
 from colosync.handoff import Region, build_plan
 from colosync.handoff.backends.arena import HostArena
+from colosync.handoff.model.participants import WeightSync
 from colosync.handoff.model.simulator import HandoffSizes
-from colosync.handoff.runtime.executor import HandoffExecutor, StepRecord
-from colosync.handoff.runtime.participants import WeightSync
+from colosync.handoff.runtime.executor import HandoffExecutor
+from colosync.handoff.runtime.records import StepRecord
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES, SyncReport
 
 log = logging.getLogger(__name__)
+
+PEAK_DEVICES = ("cpu", "gpu")
 
 
 @dataclass
@@ -49,13 +52,16 @@ class PhaseStats:
     violations: list[str] = field(default_factory=list)
 
 
-class Colocated:
-    """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (see module docstring)."""
+class Handoff:
+    """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (``cpu``: both
+    host copies may coexist; ``gpu``: one at a time); ``push()`` is the sync the plan's
+    ``sync.weights`` step runs (see module docstring)."""
 
     def __init__(
         self,
         cluster: Cluster,
         peak_device: str,
+        push: Callable[[], SyncReport],
         pin: Any = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         host_scope: str = "processes",
@@ -83,9 +89,7 @@ class Colocated:
             trainer = cluster.trainer_memory(arena=self.arena, pin=pin)
             self.arena.seal()  # both processes mapped it: nothing left to leak
             self.sync = WeightSync(
-                lambda _mark: msgspec.msgpack.decode(cluster.trainer.call("push"), type=SyncReport),
-                self.sizes.sync_region_bytes(),
-                device_type=cluster.device.type,
+                lambda _mark: push(), self.sizes.sync_region_bytes(), device_type=cluster.device.type
             )
             self.executor = HandoffExecutor(
                 trainer,
@@ -108,7 +112,7 @@ class Colocated:
         first_violation = len(result.violations) if result is not None else 0
         result = self.executor.run_phase(self.plan, name)
         records = result.records[first_record:]
-        return PhaseStats(
+        stats = PhaseStats(
             phase=name,
             seconds=sum(r.seconds for r in records),
             host_copies_peak_bytes=max((r.host_peak for r in records), default=0),
@@ -125,11 +129,9 @@ class Colocated:
             op_bytes=_per_op(records, lambda r: r.report.bytes_to_host + r.report.bytes_to_device),
             violations=[str(v) for v in result.violations[first_violation:]],
         )
-
-    @property
-    def last_sync(self) -> SyncReport | None:
-        report = self.sync.last_result
-        return report if isinstance(report, SyncReport) else None
+        for violation in stats.violations:
+            log.warning("handoff %s: %s", name, violation)
+        return stats
 
     def close(self) -> None:
         self.arena.close()
@@ -143,4 +145,4 @@ def _per_op(records: list[StepRecord], value: Callable[[StepRecord], Any]) -> di
     return out
 
 
-__all__ = ["Colocated", "PhaseStats"]
+__all__ = ["PEAK_DEVICES", "Handoff", "PhaseStats"]

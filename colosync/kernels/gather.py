@@ -24,8 +24,8 @@ from typing import Any, no_type_check
 
 import torch
 
+from colosync.kernels.fused import SelfTestedKernel
 from colosync.wire.bucket import fingerprint_tensor
-from colosync.wire.fused import SelfTestedKernel
 from colosync.wire.manifest import TensorMeta
 
 CHUNK = 1 << 14
