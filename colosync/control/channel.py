@@ -7,7 +7,7 @@ its replies or dies only ever blocks its own thread, and each of those has a dea
 turn at a time, first come first served (``_Turns``), on the thread of the connection that
 asked for it, and that thread writes the reply. So a request reaches the engine on the
 thread that was blocked in ``recv`` for it: no event-loop pass and no hand-off to a worker
-thread, which cost ~110 µs and ~75 µs on the H200 host's VM (``benchmarks/h200-latency``).
+thread, which cost ~110 µs and ~75 µs on the H200 host's VM (``benchmarks/channel``).
 When a connection ends for any reason the host is told at once (``EngineHost.close_session``),
 which aborts that client's in-flight update: a trainer killed mid-push costs its own update
 within milliseconds, not a 60 s timeout.

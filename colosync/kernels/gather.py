@@ -29,7 +29,7 @@ from colosync.wire.bucket import fingerprint_tensor
 from colosync.wire.manifest import TensorMeta
 
 CHUNK = 1 << 14
-"""Words (8 bytes) per table row: 128 KiB. On an H200 (``benchmarks/h200-latency/kernels.json``) 16K-word rows
+"""Words (8 bytes) per table row: 128 KiB. On an H200 (``benchmarks/kernels/record.json``) 16K-word rows
 packed seed-lora's bucket in 0.091 ms (0.103 with 64K, 0.19 with 256K: too few programs) and a 4 GiB bucket of
 llama8b-full in 2.05 ms, against 1.97 ms for a plain device copy of it."""
 _BLOCK = 2048  # words per program step

@@ -227,7 +227,7 @@ class RowMirror:
     processes queued there: over ``shm`` that is the trainer's 16 MiB chunks. On the engine's
     own stream, a bucket's row copy would hold up the host-to-device copy of the next chunk
     until the trainer's queued chunks were out (0.5-0.8 ms once per seed-lora update on an
-    H200, ``benchmarks/h200-shm``); here it waits alone, and ``wait`` is called only at prepare.
+    H200, ``benchmarks/seed-lora``); here it waits alone, and ``wait`` is called only at prepare.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -192,7 +192,7 @@ class StagingBuffers:
     out chunk by chunk on a stream of its own, from two buffers in turn. With one stream and
     one buffer, the pack of bucket b + 1 waited for the last copy out of bucket b and the copy
     engine sat idle through the pack: 0.12-0.18 ms at each bucket boundary of seed-lora on an
-    H200 (``benchmarks/h200-s9``). Now bucket b + 1 is packed while bucket b's last chunks go
+    H200 (``benchmarks/seed-lora``). Now bucket b + 1 is packed while bucket b's last chunks go
     out, and waits only for the copies out of bucket b - 1 (``copied``). Elsewhere one buffer
     serves: its copies are on the current stream, in order.
     """

@@ -79,7 +79,7 @@ def _expandable_segments() -> Check:
     conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
     on = "expandable_segments:true" in conf.replace(" ", "").lower()
     detail = (
-        "expandable segments ON: PyTorch's own CUDA IPC (ForkingPickler, the seeds' path) then shares "
+        "expandable segments ON: PyTorch's own CUDA IPC (ForkingPickler, the common sync path) then shares "
         "memory through file descriptors and needs pidfd_getfd; "
         if on
         else "expandable segments off (PyTorch's default); "

@@ -18,7 +18,7 @@ goes out at once, naming the seal. The receiver's host polls for it (``ready``) 
 then queues its copy in. Without seals the sender's host waited for each copy before its
 Stage could leave and cross the socket; now nothing on the sender's host waits for the
 device, as with ``cuda_ipc``'s events (on seed-lora this alone measured even, the copies
-set the pace: ``benchmarks/h200-s10``). Seal numbers only grow, so a late write of an
+set the pace: ``benchmarks/seed-lora``). Seal numbers only grow, so a late write of an
 aborted update can never pass for the one awaited. A sender that dies before its seal lands
 is seen at once: it holds an exclusive ``flock`` on the segment for its life, which the
 kernel drops with its last descriptor, and a waiting receiver tries the lock every

@@ -281,7 +281,7 @@ def test_a_sender_begins_a_repeated_layout_again_in_40_bytes_and_recovers_when_t
 
 
 def test_begin_again_stands_only_for_this_connections_last_begin(rig):
-    """Its digest must be the one of the manifest this session began last: another session's, a stale
+    """Its digest must be the one of the manifest this connection began last: another connection's, a stale
     one, or none at all is refused with UnknownLayoutError and begins nothing."""
     from colosync.wire.manifest import manifest_digest
     from colosync.wire.protocol import BeginAgain

@@ -26,8 +26,8 @@ def test_header_names_the_exact_command_and_the_machine():
 
 def test_command_of_a_script_and_of_this_process(monkeypatch):
     assert (
-        command_line(["--mode", "gpu"], prog=("python", "benchmarks/gpu_handoff.py"))
-        == "python benchmarks/gpu_handoff.py --mode gpu"
+        command_line(["--mode", "gpu"], prog=("python", "benchmarks/handoff/gpu_handoff.py"))
+        == "python benchmarks/handoff/gpu_handoff.py --mode gpu"
     )
     monkeypatch.setattr(sys, "argv", ["/usr/bin/colosync", "plan", "--workload", "k3-gb300"])
     assert command_line() == "colosync plan --workload k3-gb300"

@@ -7,7 +7,7 @@ Why this shape (the trainer side is ``colosync.engines.vllm.link`` and ``client`
   engine steps. So the engine side is a *worker extension* (``worker_extension_cls``) that
   hosts one ``Receiver`` per worker, and the trainer side is a ``Link`` that sends each
   control message as msgpack bytes through ``collective_rpc``. Arguments are manifests and
-  transport handles, never tensors: bytes move through the transport (``shm`` today).
+  transport handles, never tensors: bytes move through the transport (``shm`` or ``cuda_ipc``).
 * LoRA updates never touch the filesystem. ``prepare`` builds a ``LoRAModel`` from the
   staged tensors with a ``PEFTHelper`` validated against the engine's LoRA config;
   ``commit`` swaps it into the worker's adapter manager under one stable adapter id and pins

@@ -7,7 +7,7 @@ at ``init`` (the engine is up, the trainer loads its checkpoint), ``rollout_to_t
 * ``peak_device="cpu"`` (the usual order) offloads one side fully before the other side
   comes back, so both large host copies — the engine's weight mirror and the trainer's
   backup — are briefly on the host together.
-* ``peak_device="gpu"`` (seeds/003) overlaps the two sides on the GPU instead: drop the KV
+* ``peak_device="gpu"`` (radixark/miles #2781) overlaps the two sides on the GPU instead: drop the KV
   cache, wake the trainer while the engine's weights are still resident, and only then
   release the weights (their mirror takes the place of the trainer's just-freed backup);
   on the way back, the trainer returns its caches and grad buffer, the engine resumes its

@@ -1,7 +1,7 @@
 """Measure host and device memory while a handoff runs.
 
 Host: what a cgroup charges a job is its anonymous plus shared memory ("anon+shmem", the
-figure seeds/003 reports), so the sampler reads ``RssAnon`` and ``RssShmem`` of this process
+figure radixark/miles #2781 reports), so the sampler reads ``RssAnon`` and ``RssShmem`` of this process
 and its children from ``/proc/<pid>/status`` (cheap enough to poll every few milliseconds),
 with total RSS and the system-wide used/shared figures alongside. ``psutil`` finds the
 children and the system figures; without it the same numbers come from ``/proc``.

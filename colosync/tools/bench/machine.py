@@ -2,7 +2,7 @@
 
 A figure without its machine (GPU, driver, CUDA, torch, host memory) and the command line
 that reproduces it cannot be compared with anything, so ``colosync bench``,
-``colosync handoff-bench`` and ``benchmarks/gpu_handoff.py`` all write ``run_header``.
+``colosync handoff-bench`` and ``benchmarks/handoff/gpu_handoff.py`` all write ``run_header``.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def mps_daemon() -> str | None:
     """The pipe directory of a CUDA MPS control daemon (``CUDA_MPS_PIPE_DIRECTORY``, else
     ``/tmp/nvidia-mps``) when its control pipe and its pid file are there, else None. A daemon
     told to ``quit`` removes its pid file and leaves the pipes (seen on an H200, driver 580,
-    ``benchmarks/h200-s10``); one killed outright leaves both, so this says "likely running".
+    ``benchmarks/gpu/bench-mps.sh``); one killed outright leaves both, so this says "likely running".
 
     Without MPS, a trainer and an engine on one GPU are two CUDA contexts that the GPU
     time-slices, and every hand-off between them cost ~0.3 ms on an H200
-    (``benchmarks/h200-two-contexts/two_contexts.py``): more than the GPU work of a LoRA sync.
+    (``benchmarks/two-contexts/two_contexts.py``): more than the GPU work of a LoRA sync.
     """
     folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
     running = all(os.path.exists(os.path.join(folder, f)) for f in ("control", "nvidia-cuda-mps-control.pid"))

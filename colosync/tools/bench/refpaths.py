@@ -1,10 +1,12 @@
-"""The seeds' two sync paths, rebuilt as references for ``colosync bench`` -- and nothing else.
+"""Two sync paths RL frameworks commonly use, rebuilt as references for ``colosync bench`` -- nothing else.
 
-* ``fresh_ipc`` -- the seeds' default: every update flattens each bucket into a fresh CUDA
+Both are the paths the public reports alibaba/ROLL #484 and radixark/miles #2781 describe.
+
+* ``fresh_ipc`` -- the common default: every update flattens each bucket into a fresh CUDA
   tensor and pickles it with ``ForkingPickler``, which exports a new CUDA IPC handle (plus
   PyTorch's reference-counting file and event); the engine unpickles it, which opens the
   handle, copies the bytes into its own tensors and replies.
-* ``pickle`` -- the CPU staging fallback the seeds propose: ``bucket.to("cpu")``, ``pickle``,
+* ``pickle`` -- the common CPU staging fallback: ``bucket.to("cpu")``, ``pickle``,
   an RPC carrying the bytes, ``pickle.loads`` and one ``.to(device)`` on the engine.
 
 Both engines end an update the way colosync's ``sink`` engine does: the bytes are in

@@ -1,10 +1,10 @@
-"""``colosync bench``: colosync's transports against the seeds' sync paths and the copy floor.
+"""``colosync bench``: colosync's transports against the sync paths frameworks commonly use and the copy floor.
 
 A workload (``seed-lora``, ``llama8b-full`` -- shipped in ``colosync/workloads`` -- or any JSON
 file of the same format) is materialized as random tensors on one GPU in this process (the
 trainer) and pushed, update after update, into a ``sink`` engine in a second process on the
 same GPU; an update ends when its bytes are in engine-owned tensors and the engine has
-committed it. In the same run it times the seeds' two paths (``colosync.tools.bench.refpaths``) into an
+committed it. In the same run it times those two paths (``colosync.tools.bench.refpaths``) into an
 engine that also ends in its own tensors, and the pinned-memory copy floor (one device->host
 and one host->device copy of the payload through pinned memory, one process). Every path's
 result is checked: the engine's tensors must match the trainer's byte for byte.
@@ -551,7 +551,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "bench",
         doc=__doc__,
-        help="time each transport between two processes on one GPU against the seeds' paths and the copy floor",
+        help="time each transport between two processes on one GPU against the common sync paths and the copy floor",
     )
     parser.add_argument(
         "--workload",

@@ -1,4 +1,4 @@
-"""The simulator, including the K3 GB300 verdicts of seeds/003 (``colosync plan`` is in tests/tools)."""
+"""The simulator, including the K3 GB300 verdicts of radixark/miles #2781 (``colosync plan`` is in tests/tools)."""
 
 from __future__ import annotations
 

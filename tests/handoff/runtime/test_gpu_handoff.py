@@ -1,7 +1,7 @@
 """Both handoff orders on a real CUDA device with pinned host memory (skipped without CUDA).
 
 Sizes are moderate (engine 4 GB + 8 GB KV, trainer 2 GB of parameters = 8 GB resident) so the
-test fits any recent GPU; ``benchmarks/gpu_handoff.py`` records the full-size run.
+test fits any recent GPU; ``benchmarks/handoff/gpu_handoff.py`` records the full-size run.
 """
 
 from __future__ import annotations
