@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from colosync.errors import ConfigError, ParityError, UnsupportedOperation
+from colosync.tools.bench.machine import run_header
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class DemoReport:
     engine: str
     transport: str
     device: str
+    header: dict[str, Any] = field(default_factory=dict)  # command, date, commit, machine (run_header)
     launcher: str = ""
     handoff: bool = False
     handoff_note: str = ""  # why the handoff is off, when it is
@@ -210,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, UnsupportedOperation) as exc:
         console.print(f"[bold red]refused:[/] {exc}")
         return 2
+    report.header = run_header()
     payload = json.dumps(asdict(report), indent=2)
     if args.report:
         args.report.write_text(payload)

@@ -1,20 +1,27 @@
-"""The header every recorded benchmark carries: the exact command, the date and the machine."""
+"""The header every recorded benchmark carries: the exact command, the date, the code and the machine."""
 
 from __future__ import annotations
 
 import datetime as dt
 import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from colosync.tools.bench import machine
-from colosync.tools.bench.machine import command_line, machine_info, run_header
+from colosync.tools.bench.machine import command_line, machine_info, run_header, source_commit
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_header_names_the_exact_command_and_the_machine():
     header = run_header(["handoff-bench", "--size", "32MB", "--out", "my results/b.json"], device="cpu")
-    assert set(header) == {"command", "date", "machine"}
+    assert set(header) == {"command", "date", "commit", "machine"}
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    if head.returncode == 0:  # a checkout: the commit of the tree that ran, marked when colosync/ differs from it
+        assert header["commit"].removesuffix("+dirty") == head.stdout.strip()
     assert header["command"] == "colosync handoff-bench --size 32MB --out 'my results/b.json'"
     assert shlex.split(header["command"])[-1] == "my results/b.json"  # pasting it reproduces the run
     assert dt.datetime.fromisoformat(header["date"]).tzinfo is not None
@@ -52,3 +59,13 @@ def test_an_mps_daemon_is_found_by_its_control_pipe_and_pid_file(tmp_path, monke
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setattr(machine, "MPS_PIPE_DEFAULT", str(tmp_path))
     assert machine.mps_daemon() == str(tmp_path)
+
+
+def test_an_installed_copy_names_its_version(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(machine.subprocess, "run", no_git)
+    from colosync import __version__
+
+    assert source_commit() == f"colosync {__version__}"

@@ -100,10 +100,31 @@ def machine_info(device: Any = None) -> dict[str, Any]:
 def run_header(
     argv: Sequence[str] | None = None, *, prog: Sequence[str] = ("colosync",), device: Any = None
 ) -> dict[str, Any]:
-    """``{"command", "date", "machine"}``: the exact command (``command_line``), the UTC date
-    and ``machine_info(device)``."""
+    """``{"command", "date", "commit", "machine"}``: the exact command (``command_line``), the UTC
+    date, the code that ran (``source_commit``) and ``machine_info(device)``."""
     return {
         "command": command_line(argv, prog),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "machine": machine_info(device),
     }
+
+
+def source_commit() -> str:
+    """The git commit of the colosync tree that is running, ``+dirty`` if its package differs from it;
+    ``colosync <version>`` where it runs from an installed copy rather than a git checkout."""
+    from colosync import __version__
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package folder
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        if not commit:
+            return f"colosync {__version__}"
+        return commit + ("+dirty" if git("status", "--porcelain", "--", ".") else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"colosync {__version__}"

@@ -70,6 +70,7 @@ class PathResult(msgspec.Struct):
 class SourceBenchResult(msgspec.Struct):
     command: str
     date: str
+    commit: str
     machine: dict[str, Any]
     config: BenchConfig
     payload_bytes: int
@@ -286,7 +287,9 @@ def run_bench(cfg: BenchConfig, argv: list[str] | None = None, timeout_s: float 
     mine = next((r for r in out if r.path == "fsdp_source"), None)
     speedup = {r.path: r.median_s / mine.median_s for r in out if mine is not None and r is not mine}
     header = run_header(argv, device="cuda:0" if cfg.device == "cuda" else "cpu")
-    return SourceBenchResult(header["command"], header["date"], header["machine"], cfg, payload, out, speedup)
+    return SourceBenchResult(
+        header["command"], header["date"], header["commit"], header["machine"], cfg, payload, out, speedup
+    )
 
 
 def _table(result: SourceBenchResult) -> str:

@@ -69,6 +69,7 @@ class BenchResult(msgspec.Struct):
     command: str
     argv: list[str]
     date: str
+    commit: str
     host: str
     gpu: str
     driver: str
@@ -453,6 +454,7 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
         command=header["command"],
         argv=list(sys.argv),
         date=header["date"],
+        commit=header["commit"],
         host=machine["hostname"],
         gpu=machine.get("gpu", "cpu"),
         driver=machine.get("driver", "none"),
