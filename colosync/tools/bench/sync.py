@@ -273,6 +273,24 @@ def _bench_reference(mode: str, named, device, bucket_bytes: int, warmup: int, r
     )
 
 
+def _bench_mechanism(named, device, warmup: int, repeats: int, tick) -> PathResult:
+    """The bare ``cuda_ipc`` mechanism between two processes (``colosync.tools.bench.mechanism``)."""
+    from colosync.engines.sink import tensor_digests
+    from colosync.tools.bench.mechanism import MechanismPath
+
+    path = MechanismPath(named, device)
+    try:
+        times = _timed(path.push, warmup, repeats, tick)
+        expect = dict(zip([n for n, _ in named], tensor_digests([t for _, t in named]), strict=True))
+        verified = path.digests() == expect
+    finally:
+        path.close()
+    total = sum(t.nbytes for _, t in named)
+    return _stats(
+        "floor:ipc mechanism", "floor", times, total, verified=verified, config={"buffer_bytes": path.payload}
+    )
+
+
 def _bench_floors(nbytes: int, device, repeats: int) -> list[PathResult]:
     """Pinned-memory copy floors for ``nbytes``: D2H, H2D, both at once (two streams), D2D."""
     import torch
@@ -388,7 +406,8 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
             "per update (pass --force-pickle to run it)"
         )
     plan = [(n, "transport") for n in names] + ([("cuda_ipc+arena", "transport")] if args.arena else [])
-    plan += [(f"ref:{r}", "reference") for r in refs] + ([("floors", "floor")] if not args.no_floor else [])
+    plan += [(f"ref:{r}", "reference") for r in refs]
+    plan += [("floors", "floor"), ("floor:ipc mechanism", "floor")] if not args.no_floor else []
     task = progress.add_task("bench", total=len(plan) * (warmup + repeats)) if progress else None
 
     def tick() -> None:
@@ -443,6 +462,8 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
         results += floors
         by = {f.path: f for f in floors}
         floor_ms = max(by["floor:pinned d2h"].median_ms, by["floor:pinned h2d"].median_ms)
+        status(f"floor:ipc mechanism ({workload.name})")
+        results.append(_bench_mechanism(named, device, warmup, repeats, tick))
     ref_medians = {r.path: r.median_ms for r in results if r.kind == "reference"}
     for r in results:
         if floor_ms:
@@ -585,7 +606,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"buckets in flight (Sender slots), for all or per transport (default {DEFAULT_SLOTS})",
     )
     parser.add_argument("--device", default="cuda", help="the GPU trainer and engine share (default cuda)")
-    parser.add_argument("--no-floor", action="store_true", help="skip the pinned copy floor")
+    parser.add_argument(
+        "--no-floor", action="store_true", help="skip the floors: the pinned copies and the bare cuda_ipc mechanism"
+    )
     parser.add_argument("--force-pickle", action="store_true", help="run the pickle reference even above 4 GB")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
