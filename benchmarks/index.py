@@ -65,6 +65,8 @@ def seed_lora(record: Record) -> tuple[str, str, str]:
     head = f"`cuda_ipc` **{ms(m['cuda_ipc'])}**, + arena **{ms(m['cuda_ipc+arena'])}**, `shm` **{ms(m['shm'])}**"
     ref = f"fresh handle {ms(m['ref:fresh_ipc'])}; `.to('cpu')` + pickle {ms(m['ref:pickle'])}"
     floor = f"D2H ‖ H2D {ms(m['floor:pinned d2h || h2d'])}; device copy {ms(m['floor:device copy'])}"
+    if "floor:ipc mechanism" in m:  # the bare cuda_ipc mechanism, timed in the same run
+        floor += f"; bare `cuda_ipc` mechanism {ms(m['floor:ipc mechanism'])}"
     return head, ref, floor
 
 
