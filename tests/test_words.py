@@ -21,7 +21,7 @@ HISTORY = re.compile(
     r"|\b(?:this|last|next|previous) session\b"
     r"|\bh200-s(?:ession)?\d+"  # folders named after a sitting
     r"|\bissues? ?#?\d+"  # issue 16 (public reports are cited as owner/repo #N)
-    r"|\btoday(?:'s)?\b"
+    r"|(?<!\.)\btoday(?:'s)?\b(?!\()"  # not date.today()
     r"|\bthe seeds\b|\bseeds'",
     re.IGNORECASE,
 )
@@ -66,5 +66,6 @@ def test_the_word_rule_catches_history(tmp_path, line):
     assert found.startswith("planted.md:2:")
 
 
-def test_a_client_session_is_no_history():
+def test_a_client_session_or_the_date_is_no_history():
     assert not HISTORY.search("a session that ends takes only its own in-flight update with it")
+    assert not HISTORY.search("stamp = datetime.date.today().isoformat()")

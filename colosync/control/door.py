@@ -65,10 +65,20 @@ class Door:
         try:
             return handle(request)
         except ColosyncError as exc:
-            return Failed.from_exception(exc, self._status() if self._status else None)
+            return Failed.from_exception(exc, getattr(exc, "status", None) or self._status_quietly())
         except Exception as exc:
             log.exception("engine: request %s failed", type(request).__name__)
             return Failed.from_exception(exc)
+
+    def _status_quietly(self) -> Ack | None:
+        """The engine's state beside a refusal, if it can be had: a courtesy, never a second failure."""
+        if self._status is None:
+            return None
+        try:
+            return self._status()
+        except Exception:
+            log.exception("engine: reading the status for a refusal failed")
+            return None
 
     def encode(self, reply: msgspec.Struct) -> bytes:
         try:

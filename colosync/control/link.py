@@ -11,15 +11,20 @@ from __future__ import annotations
 
 from colosync.errors import ColosyncError
 from colosync.sync.link import Done
-from colosync.sync.transaction import Applies, EngineTransaction
+from colosync.sync.transaction import Applies, EngineTransaction, transaction_of
 from colosync.wire.protocol import TransactionRequest
 
 
 class LocalLink:
-    """``LocalLink(receiver)`` or ``LocalLink(engine_transaction)``: the engine's side in this process."""
+    """``LocalLink(receiver)`` or ``LocalLink(engine_transaction)``: the engine's side in this process.
+
+    Each link is one client (its own session) of the engine's one ``EngineTransaction``: a second
+    link's sender is refused while the first owns the engine, or takes it over, as remotely.
+    ``close`` ends the session, which releases the engine if this link's sender still owned it.
+    """
 
     def __init__(self, engine: Applies | EngineTransaction) -> None:
-        self.transaction = engine if isinstance(engine, EngineTransaction) else EngineTransaction(engine)
+        self.transaction = transaction_of(engine)
         self.session = self.transaction.open_session()
 
     @property
@@ -38,7 +43,7 @@ class LocalLink:
         return [self.submit(request) for request in requests]
 
     def close(self) -> None:
-        pass
+        self.transaction.close_session(self.session, "its LocalLink closed")
 
 
 __all__ = ["LocalLink"]

@@ -144,4 +144,12 @@ class EngineHost:
             close()
 
 
-__all__ = ["EngineHost", "HostedTarget", "ScoredByEngine", "ServedEngine"]
+def build_host(config: EngineConfig, handlers: dict[type, Handler] | None = None) -> EngineHost:
+    """The host for an ``EngineConfig``: the registry's engine class, built from the config."""
+    from colosync.control.registry import engine_class
+
+    engine: ServedEngine = engine_class(config.engine).from_config(config)
+    return EngineHost(engine.transaction(config.policy()), engine, handlers)
+
+
+__all__ = ["EngineHost", "HostedTarget", "ScoredByEngine", "ServedEngine", "build_host"]

@@ -42,8 +42,8 @@ import torch
 from colosync.control.channel import ChannelServer, Deadlines, EngineAddress, SocketLink
 from colosync.control.door import codecs
 from colosync.control.registry import engine_class
-from colosync.engines import build_host
 from colosync.engines.config import EngineConfig
+from colosync.engines.host import build_host
 from colosync.errors import ColosyncError, ConfigError, EngineError, UnsupportedOperation
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.backends.host_pool import HostPool

@@ -16,8 +16,8 @@ import psutil
 import torch
 
 from colosync.control.ray import RayLink
-from colosync.engines import build_host
 from colosync.engines.config import EngineConfig
+from colosync.engines.host import build_host
 from colosync.engines.process import engine_memory_factory
 from colosync.handoff.backends.arena import HostArena
 from colosync.handoff.runtime.remote import MEMORY_REPLIES, MEMORY_REQUESTS, MemoryService, RemoteEngineMemory

@@ -5,15 +5,16 @@ gigabytes between device and host, and the *order* of those moves decides the pe
 usual order briefly holds two large host copies (the engine's weight mirror and the
 trainer's backup), which is what overflowed a 898 GiB host budget on GB300 nodes. Here a
 handoff is a plan, simulated before a job and executed against real participants with
-invariants checked while it runs. Three layers, each importing only the ones before it:
+invariants checked while it runs. Three floors, each importing only the ones below it:
 
 * ``model`` -- pure planning (its modules import no torch): the regions and operations (``ops``), the plans
-  (``plans``) and the simulator that predicts a plan's peaks for given sizes (``simulator``);
-* ``runtime`` -- the participant interfaces (``participants``), the ``executor`` that runs a
-  plan and checks it, and host/device ``sampling``;
+  (``plans``), the simulator that predicts a plan's peaks for given sizes (``simulator``), and the
+  interfaces of the two participants (``participants``);
 * ``backends`` -- participants on real memory: ``torch_trainer``, ``torch_engine``, the
   optional ``tms_trainer`` (torch_memory_saver), and their ``host_pool`` and ``stash``; the
-  node-wide shared ``arena`` that trainer and engine processes map together.
+  node-wide shared ``arena`` that trainer and engine processes map together;
+* ``runtime`` -- the ``executor`` that runs a plan, its ``invariants``, ``meter`` and ``records``,
+  and host/device ``sampling``.
 
 Participants in other processes (an engine process, a Ray actor, a trainer run by a
 controller) are ``runtime.remote``'s ``RemoteEngineMemory`` / ``RemoteTrainerMemory``, served

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from colosync.wire.protocol import (
     TransactionRequest,
 )
 
+if TYPE_CHECKING:
+    from colosync.sync.transaction import EngineTransaction
+
 log = logging.getLogger(__name__)
 
 
@@ -72,6 +75,7 @@ class Receiver:
         self.target = target
         self.device = _usable(torch.device(device))
         self.policy = policy or ReceiverPolicy()
+        self.transaction: EngineTransaction | None = None  # the owner in front of it (``sync.transaction``)
         self.committed_update_id = 0
         self.serving = True  # False after a full update failed verification (fail closed)
         self._previous: tuple[int, bool] | None = None  # (id, serving) a revert of the last commit goes back to
@@ -271,8 +275,7 @@ class Receiver:
         self._lander.close()
 
     @property
-    def buffer_bytes(self) -> int:
-        """Device memory the Receiver keeps between updates (at most one bucket)."""
+    def buffer_bytes(self) -> int:  # device memory the Receiver keeps between updates (at most one bucket)
         return self._lander.bounce.nbytes
 
     @property

@@ -156,6 +156,8 @@ class EngineTransaction:
 
     def __init__(self, applies: Applies, serving: Serving | None = None) -> None:
         self.applies = applies
+        if getattr(applies, "transaction", False) is None:  # a Receiver: it remembers its one owner
+            applies.transaction = self  # type: ignore[attr-defined]
         self.serving_code = serving
         self.owner: Session | None = None
         self.serving = True  # False while the engine fails closed
@@ -198,11 +200,13 @@ class EngineTransaction:
         """Apply ``request`` for ``session`` (this process if None); raises the ``ColosyncError`` refusing it."""
         session = session or self.local
         with self.lock:
-            self.applies.check_timeout()  # engines without a timer still expire abandoned updates
             try:
+                self.applies.check_timeout()  # engines without a timer still expire abandoned updates
                 ack = self._dispatch(request, session)
-            except ColosyncError:
-                self.status_quietly()  # a refused commit may have failed the engine closed
+            except Exception as exc:  # a refused or broken commit may have failed the engine closed
+                status = self.status_quietly()
+                if isinstance(exc, ColosyncError) and getattr(exc, "status", None) is None:
+                    exc.status = status  # type: ignore[attr-defined]  # what the engine serves now, for the reply
                 raise
             return self.observe(ack)
 
@@ -265,10 +269,13 @@ class EngineTransaction:
             raise ConfigError(  # refused before anything is installed; the Sender aborts the update
                 "this engine cannot score a probe; push without verify=, or use an engine that scores (hf, vllm)"
             )
+
+        def score(probe: Probe) -> Scores:  # what the engine would serve, if it serves at all
+            self.refuse_unless_serving("to score the probe")
+            return serving.score_probe(probe) if serving is not None else _unscored(probe)
+
         # The probe never reaches the Receiver(s): it is scored here, by the engine's serving code.
-        return verified_commit(
-            lambda r: self.observe(self._switch(r)), request, serving.score_probe if serving else _unscored
-        )
+        return verified_commit(lambda r: self.observe(self._switch(r)), request, score)
 
     def _interned(self, request: Begin, session: Session) -> Begin:
         """``request`` with a known ``Layout`` object (``Layouts``); also what ``session`` begins again from now on."""
@@ -333,8 +340,19 @@ class EngineTransaction:
         return ack
 
 
+def transaction_of(engine: Applies | EngineTransaction) -> EngineTransaction:
+    """The one ``EngineTransaction`` in front of ``engine`` (a Receiver's, made on first use), or ``engine`` itself.
+
+    Every client of a Receiver in this process goes through the same owner, so two senders are
+    two sessions of one engine: the second is refused, or takes over, as it would be remotely."""
+    if isinstance(engine, EngineTransaction):
+        return engine
+    known = getattr(engine, "transaction", None)
+    return known if isinstance(known, EngineTransaction) else EngineTransaction(engine)
+
+
 def _unscored(probe: Probe) -> Scores:
     raise AssertionError("a probe reached an engine that cannot score; _commit refuses it first")
 
 
-__all__ = ["Applies", "EngineTransaction", "Layouts", "Serving", "Session"]
+__all__ = ["Applies", "EngineTransaction", "Layouts", "Serving", "Session", "transaction_of"]

@@ -31,7 +31,7 @@ def rig():
     store = StoreEngine()
     receiver = Receiver(store, "cpu", ReceiverPolicy(timeout_s=5.0))
     transport = ShmSender(1 << 16, 2, torch.device("cpu"))
-    LocalLink(receiver).submit(Attach("shm", transport.handle())).wait()
+    receiver.handle(Attach("shm", transport.handle()))  # the Receiver itself: no owner in front of it
     transport.attached()
     yield store, receiver, transport
     receiver.close()

@@ -201,9 +201,9 @@ class _VllmLinkBase:
         self._pause()
         try:
             try:
-                ack = apply()
+                ack = self.transaction.observe(apply())  # what the workers serve, before anything can fail
             except DeliveryError:  # the workers committed, found it wrong and undid it (or failed closed)
-                self._relabel(self.workers.handle(Status()))  # what they serve now
+                self._relabel(self.transaction.observe(self.workers.handle(Status())))  # what they serve now
                 raise
             self._relabel(ack)
         finally:
