@@ -5,7 +5,8 @@ to the engine (``Generate``, ``Score``, ...), ``trainer`` the trainer actor behi
 and ``engine_memory`` / ``trainer_memory`` the two participants a ``HandoffExecutor`` here
 runs the plan against. ``launcher="process"`` starts an ``EngineProcess`` (its authenticated
 socket) and an ``ActorProcess``; ``"ray"`` an ``EngineActor`` and the trainer as Ray actors,
-half a GPU each on CUDA.
+half a GPU each on CUDA, in the caller's Ray when it is initialised (``close()`` then kills
+the two actors and leaves Ray running) or in one started here (and shut down by ``close()``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 class Cluster:
     """An ``engine`` serving ``model_dir`` and the trainer actor ``trainer_actor``
-    (``colosync.<module>:<Class>``, built with ``engine=`` its link and ``trainer_kwargs``),
+    (``module:Class``, any importable one, built with ``engine=`` its link and ``trainer_kwargs``),
     started by ``launcher`` (``ray`` or ``process``) on ``device``."""
 
     def __init__(
@@ -54,7 +55,8 @@ class Cluster:
         )
         actor_class = trainer_class(trainer_actor)
         self._proc: Any = None
-        self._ray = False
+        self._ray_started = False  # Ray was initialised here (not by the caller): close() shuts it down
+        self._ray_actors: list[Any] = []  # what close() kills on the Ray path
         self.trainer: Trainer
         if launcher == "ray":
             import ray
@@ -62,25 +64,33 @@ class Cluster:
             from colosync.control.ray import RayLink
             from colosync.engines.ray_actor import EngineActor
 
-            ray.init(
-                address=ray_address,
-                num_cpus=None if ray_address else 2,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                ignore_reinit_error=True,
-            )
-            self._ray = True
-            gpu = 0.5 if self.device.type == "cuda" else 0
-            # Any: Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
-            engine_actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(msgspec.msgpack.encode(config))
-            self._engine_actor = engine_actor
-            self.engine_pid = int(ray.get(engine_actor.pid.remote()))
-            self.driver: Any = RayLink(self._engine_actor, engine)
-            actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(actor_class).remote(
-                engine=self._engine_actor, **trainer_kwargs
-            )
-            self.trainer = RayTrainer(actor)
+            if not ray.is_initialized():
+                ray.init(
+                    address=ray_address,
+                    num_cpus=None if ray_address else 2,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+                self._ray_started = True
+            try:
+                gpu = 0.5 if self.device.type == "cuda" else 0
+                # Any: Ray types an actor handle's methods as the class's plain functions, without ``.remote``.
+                engine_actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(EngineActor).remote(
+                    msgspec.msgpack.encode(config)
+                )
+                self._engine_actor = engine_actor
+                self._ray_actors.append(engine_actor)
+                self.engine_pid = int(ray.get(engine_actor.pid.remote()))
+                self.driver: Any = RayLink(self._engine_actor, engine)
+                actor: Any = ray.remote(num_cpus=1, num_gpus=gpu)(actor_class).remote(
+                    engine=self._engine_actor, **trainer_kwargs
+                )
+                self._ray_actors.append(actor)
+                self.trainer = RayTrainer(actor)
+            except BaseException:
+                self._release_ray()  # neither actor outlives a cluster that did not start
+                raise
         elif launcher == "process":
             from colosync.engines.process import EngineProcess
 
@@ -130,6 +140,21 @@ class Cluster:
             device = total - free
         return host, device
 
+    def _release_ray(self) -> None:
+        """Kill the actors started here, then shut Ray down if it was started here (the
+        caller's Ray keeps running)."""
+        import ray
+
+        try:
+            for actor in reversed(self._ray_actors):
+                with contextlib.suppress(Exception):  # already dead
+                    ray.kill(actor)
+            self._ray_actors.clear()
+        finally:
+            if self._ray_started:
+                self._ray_started = False
+                ray.shutdown()
+
     def close(self) -> None:
         try:
             with contextlib.suppress(ColosyncError, OSError):
@@ -138,10 +163,8 @@ class Cluster:
             if self._proc is not None:
                 self._proc.close()
         finally:
-            if self._ray:
-                import ray
-
-                ray.shutdown()
+            if self.launcher == "ray":
+                self._release_ray()
 
     def __enter__(self) -> Cluster:
         return self

@@ -55,13 +55,14 @@ class PhaseStats:
 class Handoff:
     """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (``cpu``: both
     host copies may coexist; ``gpu``: one at a time); ``push()`` is the sync the plan's
-    ``sync.weights`` step runs (see module docstring)."""
+    ``sync.weights`` step runs (see module docstring); what it raises stops the phase there,
+    so a caller that wants the phase finished after a failed push keeps the error and returns."""
 
     def __init__(
         self,
         cluster: Cluster,
         peak_device: str,
-        push: Callable[[], SyncReport],
+        push: Callable[[], SyncReport | None],
         pin: Any = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         host_scope: str = "processes",

@@ -1,11 +1,12 @@
 """Where a colocated trainer runs: a spawned process, or a Ray actor, behind one ``call``.
 
 A framework's GPU host may have Ray or not, so a trainer actor class (a ``ServedTrainer``
-named ``colosync.<module>:<Class>``) runs both ways and the controller sees one surface:
+named ``module:Class``, colosync's own or the caller's) runs both ways and the controller sees one surface:
 ``trainer.call(method, *args)``, ``pid``, ``is_alive()``, ``close()``. Under ``process`` it is
 an ``ActorProcess``: a spawned process that builds the actor and answers method calls over a
-pipe, arguments and replies as msgpack (no pickle on either side's receive path); under
-``ray``, a ``RayTrainer`` around the actor handle.
+pipe, arguments and replies as msgpack (no pickle on either side's receive path), and an
+error there comes back as the ``colosync.errors`` class it was (other exceptions as a
+``ColosyncError`` naming their type); under ``ray``, a ``RayTrainer`` around the actor handle.
 """
 
 from __future__ import annotations
@@ -51,12 +52,54 @@ class Trainer(Protocol):
 
 
 def trainer_class(path: str) -> type:
-    """The trainer actor class named ``module:Class`` (one of colosync's own)."""
+    """The trainer actor class named ``module:Class``: any importable module (colosync's own,
+    e.g. ``colosync.colocated.synthetic:SyntheticTrainer``, or the caller's)."""
     module, _, name = path.partition(":")
-    if not module.startswith("colosync.") or not name:
-        raise ConfigError(f"a trainer actor is named 'colosync.<module>:<Class>', got {path!r}")
-    cls: type = getattr(importlib.import_module(module), name)
-    return cls
+    if not module or not name or not all(part.isidentifier() for part in (*module.split("."), *name.split("."))):
+        raise ConfigError(f"a trainer actor is named 'module:Class' (e.g. 'mypackage.trainer:MyTrainer'), got {path!r}")
+    try:
+        found: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"trainer actor {path!r}: cannot import {module!r}: {exc}") from exc
+    for attr in name.split("."):
+        if not hasattr(found, attr):
+            raise ConfigError(f"trainer actor {path!r}: {found.__name__!r} has no {attr!r}")
+        found = getattr(found, attr)
+    if not isinstance(found, type):
+        raise ConfigError(f"trainer actor {path!r} is not a class (a {type(found).__name__})")
+    return found
+
+
+def _error_reply(exc: BaseException) -> list[Any]:
+    """``["err", type name, message, remote traceback, whether it is a colosync error]``."""
+    return ["err", type(exc).__name__, str(exc), traceback.format_exc(), isinstance(exc, ColosyncError)]
+
+
+def _colosync_error_types() -> dict[str, type[ColosyncError]]:
+    """Every ``ColosyncError`` class by name (the lookup ``colosync.errors.error_from_wire`` makes)."""
+    found: dict[str, type[ColosyncError]] = {}
+    stack: list[type[ColosyncError]] = [ColosyncError]
+    while stack:
+        cls = stack.pop()
+        found.setdefault(cls.__name__, cls)
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+def remote_error(method: str, reply: list[Any]) -> ColosyncError:
+    """The exception a trainer process reported for ``method``: its ``colosync.errors`` class
+    rebuilt by name with its message, or a ``ColosyncError`` naming any other exception's type;
+    the trainer's traceback rides along as a note."""
+    name, message, remote_traceback, is_colosync = reply[1], reply[2], reply[3], reply[4]
+    cls = _colosync_error_types().get(name) if is_colosync else None
+    exc: ColosyncError | None = None
+    if cls is not None:
+        with contextlib.suppress(Exception):  # a subclass whose constructor takes more than the message
+            exc = cls(message)
+    if exc is None:
+        exc = ColosyncError(f"the trainer process failed in {method}: {name}: {message}")
+    exc.add_note(f"raised in the trainer process, in {method}:\n{remote_traceback.rstrip()}")
+    return exc
 
 
 def _serve_actor(actor_path: str, init: bytes, conn: Connection) -> None:
@@ -65,7 +108,7 @@ def _serve_actor(actor_path: str, init: bytes, conn: Connection) -> None:
     try:
         actor = trainer_class(actor_path)(**msgspec.msgpack.decode(init))
     except BaseException as exc:
-        conn.send_bytes(encoder.encode(["err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"]))
+        conn.send_bytes(encoder.encode(_error_reply(exc)))
         raise
     conn.send_bytes(encoder.encode(["ok", os.getpid()]))
     while True:
@@ -81,13 +124,14 @@ def _serve_actor(actor_path: str, init: bytes, conn: Connection) -> None:
                 raise ConfigError(f"the trainer has no method {method!r}")
             reply = ["ok", getattr(actor, method)(*args)]
         except Exception as exc:  # a reply, never a raise: the controller decides
-            reply = ["err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"]
+            reply = _error_reply(exc)
         conn.send_bytes(encoder.encode(reply))
 
 
 class ActorProcess:
-    """The trainer actor ``actor`` (``colosync.<module>:<Class>``) built with ``kwargs`` in a
-    spawned process; ``call(method, *args)`` runs one method there."""
+    """The trainer actor ``actor`` (``module:Class``) built with ``kwargs`` in a spawned
+    process; ``call(method, *args)`` runs one method there, and what it raised there raises
+    here (a ``colosync.errors`` class as itself, anything else as a ``ColosyncError``)."""
 
     def __init__(self, actor: str, start_timeout_s: float = 300.0, **kwargs: Any) -> None:
         ctx = mp.get_context("spawn")
@@ -100,10 +144,15 @@ class ActorProcess:
         )
         self._process.start()
         child.close()
-        if not self._conn.poll(start_timeout_s):
+        try:
+            if not self._conn.poll(start_timeout_s):
+                raise EngineError(f"the trainer process did not start within {start_timeout_s}s")
+            self.pid = int(self._reply("start"))
+        except BaseException:
             self._process.terminate()
-            raise EngineError(f"the trainer process did not start within {start_timeout_s}s")
-        self.pid = int(self._reply("start"))
+            self._process.join(5)
+            self._conn.close()
+            raise
         log.info("trainer %s started in process %d", actor, self.pid)
 
     def _reply(self, method: str) -> Any:
@@ -116,7 +165,7 @@ class ActorProcess:
                 "this process's stderr"
             ) from None
         if reply[0] == "err":
-            raise ColosyncError(f"the trainer process failed in {method}: {reply[1]}: {reply[2]}")
+            raise remote_error(method, reply)
         return reply[1]
 
     def call(self, method: str, *args: Any) -> Any:
@@ -158,4 +207,4 @@ class RayTrainer:
         pass
 
 
-__all__ = ["LAUNCHERS", "ActorProcess", "RayTrainer", "Trainer", "resolve_launcher", "trainer_class"]
+__all__ = ["LAUNCHERS", "ActorProcess", "RayTrainer", "Trainer", "remote_error", "resolve_launcher", "trainer_class"]

@@ -10,6 +10,13 @@ order against a ``Cluster`` and returns a ``StepRecord`` of each part's seconds,
 phases as measured against the plan (``PhaseStats``) and the ``SyncReport``. What the rollout
 and the training are is the caller's (two callables); with ``peak_device=None`` there is no
 handoff (an engine without a sleep mode) and the sync runs between train and check.
+
+A sync that fails inside the handoff (a ``DeliveryError`` from a verified push, an engine
+that refuses the update) does not stop the phase: the rest of ``train_to_rollout`` runs (the
+trainer asleep, the engine's KV back, memory where the plan says) and then the sync's error
+raises from ``step``, so the next ``step`` starts where a step starts. A step whose memory
+cannot be put back where the plan says (a handoff phase, or ``train`` between the two phases,
+raised) leaves the instance broken: every later ``step`` raises a ``ColosyncError`` saying why.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import msgspec
 from colosync.colocated.cluster import Cluster
 from colosync.colocated.handoff import PEAK_DEVICES, Handoff, PhaseStats
 from colosync.colocated.sync import VerifiedSync
-from colosync.errors import ConfigError
+from colosync.errors import ColosyncError, ConfigError
 from colosync.sync.pipeline import SyncReport
 from colosync.sync.sender import DEFAULT_BUCKET_BYTES
 from colosync.wire.protocol import Probe
@@ -66,7 +73,8 @@ class Colocated:
     ``peak_device``: the handoff's order (``cpu`` or ``gpu``), or ``None`` for no handoff;
     ``verify_every``: which pushes carry the step's probe (``VerifiedSync``). Call ``init()``
     once (the plan's init phase: the trainer loaded and asleep, the engine back), then
-    ``step(...)`` per step, then ``close()`` (the arena; the cluster is the caller's)."""
+    ``step(...)`` per step, then ``close()`` (the arena; the cluster is the caller's).
+    ``broken`` says why later steps are refused (``None`` while the step can run)."""
 
     def __init__(
         self,
@@ -85,7 +93,9 @@ class Colocated:
         self.cluster = cluster
         self.sync = VerifiedSync(verify_every=verify_every)
         self._probe: Probe | None = None  # the pending step's, for the push inside train_to_rollout
+        self._sync_error: Exception | None = None  # what the push inside train_to_rollout raised
         self._initialized = peak_device is None
+        self.broken: str | None = None
         self.handoff: Handoff | None = None
         if peak_device is not None:
             self.handoff = Handoff(
@@ -96,9 +106,25 @@ class Colocated:
         reply = self.cluster.trainer.call("push") if probe is None else self.cluster.trainer.call("push", probe)
         return msgspec.msgpack.decode(reply, type=SyncReport)
 
-    def _push_pending(self) -> SyncReport:
+    def _push_pending(self) -> SyncReport | None:
+        """The plan's sync.weights step: the push, its error kept (not raised) so that the
+        rest of the phase runs; ``step`` raises it once the phase is done."""
         probe, self._probe = self._probe, None
-        return self.sync.push(self._remote_push, probe)
+        try:
+            return self.sync.push(self._remote_push, probe)
+        except Exception as exc:
+            log.warning("sync failed inside train_to_rollout (%s: %s); finishing the phase", type(exc).__name__, exc)
+            self._sync_error = exc
+            return None
+
+    def _phase(self, name: str) -> PhaseStats:
+        """One handoff phase; one that raises leaves memory where no plan says: broken."""
+        assert self.handoff is not None
+        try:
+            return self.handoff.phase(name)
+        except BaseException as exc:
+            self.broken = f"the handoff's {name} phase raised {type(exc).__name__}: {exc}"
+            raise
 
     def push(self, probe: Probe | None = None) -> SyncReport:
         """One sync outside a step (the engine awake), e.g. the first adapter without the handoff."""
@@ -108,9 +134,17 @@ class Colocated:
         """The plan's init phase (``None`` without the handoff)."""
         if self.handoff is None:
             return None
-        stats = self.handoff.phase("init")
+        self._refuse_if_broken()
+        stats = self._phase("init")
         self._initialized = True
         return stats
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise ColosyncError(
+                f"this Colocated cannot step: {self.broken}; the trainer's and the engine's memory is not where the "
+                "plan says, so start a new Cluster and Colocated"
+            )
 
     def step(
         self,
@@ -124,25 +158,38 @@ class Colocated:
 
         ``probe(trained)``: the trainer's probe, made after its step on the steps that verify
         (it rides the push; a deviation raises from the sync); ``check(trained, sync)``: what
-        the loop verifies once the engine serves the update (raise to stop), kept in ``checked``."""
+        the loop verifies once the engine serves the update (raise to stop), kept in ``checked``.
+
+        A sync that fails inside the handoff raises its error after ``train_to_rollout`` has
+        finished (the next step can run); a failure that leaves the memory off the plan marks
+        the instance ``broken`` (see module docstring)."""
+        self._refuse_if_broken()
         if not self._initialized:
             raise ConfigError("Colocated.step before init(): the plan's init phase loads the trainer")
         started = time.perf_counter()
         out = rollout()
         rollout_s = time.perf_counter() - started
-        r2t = self.handoff.phase("rollout_to_train") if self.handoff is not None else None
+        r2t = self._phase("rollout_to_train") if self.handoff is not None else None
         t = time.perf_counter()
-        trained = train(out)
-        train_s = time.perf_counter() - t
-        pending = self.sync.probe(None if probe is None else lambda: probe(trained))
+        try:
+            trained = train(out)
+            train_s = time.perf_counter() - t
+            pending = self.sync.probe(None if probe is None else lambda: probe(trained))
+        except BaseException as exc:
+            if self.handoff is not None:  # the trainer holds the device, the engine's KV is offloaded
+                self.broken = f"train raised {type(exc).__name__} between the handoff's phases: {exc}"
+            raise
         t2r = None
         if self.handoff is not None:
             before = self.sync.last
-            self._probe = pending
+            self._probe, self._sync_error = pending, None
             try:
-                t2r = self.handoff.phase("train_to_rollout")  # runs the push at its sync.weights step
+                t2r = self._phase("train_to_rollout")  # runs the push at its sync.weights step
             finally:
                 self._probe = None
+                error, self._sync_error = self._sync_error, None
+            if error is not None:
+                raise error  # after the phase finished: memory is where the plan says, the next step can run
             if self.sync.last is None or self.sync.last is before:
                 raise ConfigError("the plan's train_to_rollout ran no sync (it has no sync.weights step)")
             report, sync_s = self.sync.last, t2r.sync_seconds

@@ -8,7 +8,9 @@ the loop's metrics. ``Colocated.step`` runs it inside the handoff's ``sync.weigh
 framework that drives its own loop (TRL's ``sync_weights``, ``colosync.integrations.trl``)
 calls it directly. Which steps verify, the count, the kept reports and the log line live here
 once. The probe is made when ``probe()`` is asked (after the trainer's step, while its model
-is awake), which may be well before the push runs.
+is awake), which may be well before the push runs. Only pushes that went through count: a
+verification stays due until a push carrying a probe succeeds, so a refused push, or a push
+made without a probe while one was due, leaves the next push verifying.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ REPORTS_KEPT = 1024
 
 
 class VerifiedSync:
-    """Syncs one after another: ``verify_every=n`` verifies the first and every n-th after it
-    (0: never); the last ``keep`` reports stay in ``reports``; ``on_report`` sees each."""
+    """Syncs one after another: ``verify_every=n`` verifies the first and every n-th after the
+    last verified one (0: never); ``syncs`` counts the pushes that went through (a refused one
+    is neither counted nor kept); the last ``keep`` reports stay in ``reports``; ``on_report``
+    sees each."""
 
     def __init__(
         self,
@@ -42,10 +46,14 @@ class VerifiedSync:
         self.on_report = on_report
         self.reports: collections.deque[SyncReport] = collections.deque(maxlen=keep)
         self.syncs = 0
+        self._unverified: int | None = None  # pushes since the last verified one (None: none verified yet)
 
     def due(self) -> bool:
-        """Whether the next push verifies."""
-        return self.verify_every > 0 and self.syncs % self.verify_every == 0
+        """Whether the next push verifies: no verified push yet, or ``verify_every - 1`` unverified
+        ones since the last (a refused push, or one without a probe, leaves it due)."""
+        if self.verify_every == 0:
+            return False
+        return self._unverified is None or self._unverified >= self.verify_every - 1
 
     def probe(self, make: Callable[[], Probe] | None) -> Probe | None:
         """The probe for the next push: ``make()`` when it verifies and there is a ``make``, else None."""
@@ -53,9 +61,14 @@ class VerifiedSync:
 
     def push(self, push: Callable[[Probe | None], SyncReport], probe: Probe | None = None) -> SyncReport:
         """One push (``push(probe)``: the transaction, e.g. ``lambda p: sender.push_peft(model, verify=p)``),
-        counted, logged, kept and handed to ``on_report``; a refused delivery raises from ``push``."""
-        self.syncs += 1
+        counted, logged, kept and handed to ``on_report`` once it went through; a refused delivery
+        raises from ``push`` and changes nothing here (the next push is due as this one was)."""
         report = push(probe)
+        self.syncs += 1
+        if probe is not None:
+            self._unverified = 0
+        elif self._unverified is not None:
+            self._unverified += 1
         self.reports.append(report)
         delivery = report.delivery
         deviation = delivery.max_deviation if delivery is not None else None

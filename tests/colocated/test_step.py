@@ -11,7 +11,7 @@ from colosync.colocated.cluster import Cluster
 from colosync.colocated.step import Colocated
 from colosync.engines.config import Generate, Score
 from colosync.engines.synthetic import Digest, SyntheticModel
-from colosync.errors import ColosyncError, ConfigError
+from colosync.errors import ColosyncError, ConfigError, DeliveryError
 from colosync.handoff import build_plan
 from colosync.wire.protocol import Probe
 
@@ -94,6 +94,55 @@ def cluster_step(cluster: Cluster) -> None:
     cluster.trainer.call("train_step")
 
 
+def test_a_sync_refused_inside_the_handoff_finishes_the_phase_and_the_next_step_runs(synthetic):
+    """The push of ``train_to_rollout`` carries a probe the synthetic engine cannot score, so the
+    engine refuses it: the phase still ends with the trainer asleep and the engine's KV back,
+    the refusal raises from the step, and the next step runs against the plan."""
+    cluster = synthetic
+
+    def train(_):
+        cluster.trainer.call("train_step")
+        return cluster.trainer.call("digest")
+
+    def check(want, sync):
+        served = cluster.driver.call(Digest())
+        return served.update_id == sync.update_id and list(served.fingerprints) == list(want)
+
+    with Colocated(cluster, "cpu", bucket_bytes=MiB, pin="none") as colo:
+        colo.init()
+        served_before = cluster.driver.call(Digest())
+        with pytest.raises(ConfigError, match="cannot score a probe"):
+            colo.step(lambda: None, train, probe=lambda _: PROBE, check=lambda *_: pytest.fail("checked"))
+        assert colo.broken is None and colo.sync.syncs == 0 and colo.sync.due()
+        assert cluster.driver.call(Digest()).update_id == served_before.update_id  # nothing was installed
+        records = [colo.step(lambda: cluster.driver.call(Digest()), train, check=check) for _ in range(2)]
+    for record in records:
+        assert record.violations == [], record.violations
+        assert record.rollout_to_train is not None and record.rollout_to_train.steps == ops("cpu", "rollout_to_train")
+        assert record.checked is True, "the engine does not serve the trainer's weights after the sync"
+    assert records[0].rollout.update_id == served_before.update_id
+    assert colo.sync.syncs == 2 and list(colo.sync.reports) == [r.sync for r in records]
+
+
+def test_a_step_whose_train_raises_between_the_phases_refuses_the_next_step(synthetic):
+    """``train`` raised with the trainer awake and the engine offloaded: no later step may roll
+    out against that engine, and the refusal says why."""
+
+    def train(_):
+        raise RuntimeError("out of patience")
+
+    with Colocated(synthetic, "cpu", bucket_bytes=MiB, pin="none") as colo:
+        colo.init()
+        with pytest.raises(RuntimeError, match="out of patience"):
+            colo.step(lambda: None, train)
+        assert colo.broken is not None and "train raised RuntimeError" in colo.broken
+        with pytest.raises(ColosyncError, match="cannot step: train raised RuntimeError between the handoff's phases"):
+            colo.step(lambda: pytest.fail("rolled out"), train)
+
+
+PROBE = Probe([[1, 2]], [[3]], [[-0.5]], tolerance=1e-4)
+
+
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory):
     from colosync.testing import make_tiny_llama
@@ -134,10 +183,11 @@ def test_without_the_handoff_a_probe_rides_every_due_push(lora):
 
     colo = Colocated(lora, None, verify_every=2)
     assert colo.init() is None and colo.arena_bytes == 0
-    first = colo.push()  # the trainer's first adapter, before any step: the job's 1st push (due, no probe)
+    first = colo.push()  # the trainer's first adapter, before any step: due, but no probe rode it
+    assert colo.sync.due()  # so the first step's push verifies
     records = [colo.step(_rollout(lora), _train(lora), probe=probe) for _ in range(4)]
-    assert made == [0, 1]  # pushes 3 and 5 verify; the probe is made only for them
-    assert [r.verified for r in records] == [False, True, False, True]
+    assert made == [0, 1]  # pushes 2 and 4 verify; the probe is made only for them
+    assert [r.verified for r in records] == [True, False, True, False]
     assert [r.sync.update_id for r in records] == [first.update_id + i for i in (1, 2, 3, 4)]
     for record in records:
         delivery = record.sync.delivery
@@ -156,12 +206,12 @@ def test_a_probe_that_does_not_match_is_refused_and_the_engine_keeps_the_update_
     good = colo.step(_rollout(lora), _train(lora), probe=lambda ref: Probe(PROMPTS, COMPLETIONS, ref, 1e-4))
     assert good.verified and good.sync.delivery is not None and good.sync.delivery.max_deviation <= 1e-4
     wrong = lambda ref: Probe(PROMPTS, COMPLETIONS, [[x - 1.0 for x in row] for row in ref], 1e-4)  # noqa: E731
-    with pytest.raises(ColosyncError, match="DeliveryError"):
+    with pytest.raises(DeliveryError):  # the engine's refusal, as the class it was raised as
         colo.step(_rollout(lora), _train(lora), probe=wrong, check=lambda *_: pytest.fail("checked"))
     served = lora.driver.call(Score(PROMPTS, COMPLETIONS))
     assert served.update_id == good.sync.update_id  # the refused update was rolled back
     assert served.logprobs[0] == pytest.approx(good.trained[0], abs=1e-5)
-    assert colo.sync.last is good.sync and colo.sync.syncs == 2
+    assert colo.sync.last is good.sync and colo.sync.syncs == 1  # a refused push is not counted
 
 
 def test_peak_device_is_checked():

@@ -1,5 +1,5 @@
 """``VerifiedSync``, the sync phase ``Colocated.step`` and TRL's ``sync_weights`` share: which
-pushes carry a probe, what is kept and handed on, and a refused push counted but not kept."""
+pushes carry a probe, what is kept and handed on, and a refused push neither counted nor kept."""
 
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ def test_the_first_push_and_every_nth_after_it_carry_the_probe(every, verified):
 def test_no_probe_is_made_when_none_is_due_or_there_is_no_maker():
     sync = VerifiedSync(verify_every=2)
     assert sync.probe(None) is None
-    sync.push(lambda p: report(1))
+    sync.push(lambda p: report(1), PROBE)  # verified: the next push is not due
     assert sync.probe(lambda: pytest.fail("made a probe for a push that does not verify")) is None
 
 
-def test_a_refused_push_counts_but_is_not_kept():
+def test_a_refused_push_is_not_counted_nor_kept_and_the_next_push_verifies():
     seen: list[SyncReport] = []
     sync = VerifiedSync(verify_every=2, on_report=seen.append)
 
@@ -51,8 +51,28 @@ def test_a_refused_push_counts_but_is_not_kept():
 
     with pytest.raises(DeliveryError):
         sync.push(refuse, sync.probe(lambda: PROBE))
-    assert sync.syncs == 1 and not sync.reports and not seen and sync.last is None
-    assert not sync.due()  # the refused push was the 1st: the 2nd does not verify, the 3rd does
+    assert sync.syncs == 0 and not sync.reports and not seen and sync.last is None
+    assert sync.due()  # the refused push verified nothing: the next one carries the probe
+    carried = []
+    for i in range(4):
+        probe = sync.probe(lambda: PROBE)
+        carried.append(int(probe is not None))
+        sync.push(lambda p, i=i: report(i + 1), probe)
+    assert carried == [1, 0, 1, 0] and sync.syncs == 4
+
+
+def test_a_push_without_a_probe_while_one_is_due_leaves_it_due():
+    sync = VerifiedSync(verify_every=3)
+    sync.push(lambda p: report(1))  # the first push is due, but nothing rode it
+    assert sync.due() and sync.syncs == 1
+    carried = []
+    for i in range(5):
+        probe = sync.probe(lambda: PROBE)
+        carried.append(int(probe is not None))
+        sync.push(lambda p, i=i: report(i + 2), probe)
+    assert carried == [1, 0, 0, 1, 0]  # the first probe, then every 3rd push after it
+    sync.push(lambda p: report(7))  # due (the 3rd after the last verified), no probe: still due
+    assert sync.due()
 
 
 def test_negative_cadence_is_refused():

@@ -86,7 +86,7 @@ def test_remote_engine_gpu_mode_through_one_arena(big_engine):
     try:
         engine = big_engine.memory(arena=arena, pin="none")  # the engine maps the arena
         arena.seal()
-        assert not arenas()
+        assert arena.name not in arenas()  # this test's own segment: others may run beside it
         assert arena.nbytes < mirror + BACKUP  # room for one copy, not two
         trainer = TorchTrainerMemory(loader=make_trainer_state, pool=arena.pool(), device="cpu")
         executor = HandoffExecutor(trainer, engine, pools=[arena.pool()])
@@ -109,7 +109,7 @@ def test_remote_engine_gpu_mode_through_one_arena(big_engine):
         assert result.host_peak <= arena.nbytes * 1.05 + CHUNK
     finally:
         arena.close()
-    assert not arenas()
+    assert arena.name not in arenas()  # this test's own segment: others may run beside it
 
 
 def test_remote_engine_cpu_mode_measures_the_mirror_in_the_engine_process(big_engine):
@@ -166,7 +166,7 @@ def test_a_controller_drives_a_trainer_process_and_an_engine_process(big_engine)
         here.send("stop")
         proc.join(30)
         arena.close()
-    assert proc.exitcode == 0 and not arenas()
+    assert proc.exitcode == 0 and arena.name not in arenas()
 
 
 def test_remote_engine_in_a_ray_actor(big_model_dir):
@@ -241,4 +241,4 @@ def test_engine_dies_mid_operation(tiny_model_dir):
     finally:
         proc.close()
         arena.close()
-    assert not arenas()
+    assert arena.name not in arenas()  # this test's own segment: others may run beside it
