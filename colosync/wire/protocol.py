@@ -182,7 +182,7 @@ class Batch(msgspec.Struct, tag="batch", frozen=True):
     and Commit. The engine applies them in order exactly as if each had come alone (a failed one
     does not stop the rest: each later one is refused as it would be) and answers one
     ``BatchReply``. What it saves is the engine's hop between its socket and its engine thread
-    for each request after the first (``engines.channel``)."""
+    for each request after the first (``control.channel``)."""
 
     requests: Annotated[list[Stage | Prepare | Commit], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
 
