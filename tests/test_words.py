@@ -1,7 +1,8 @@
 """The repository speaks of the project only: never of how, when or in which sitting it was made.
 
 A reader cannot tell a current figure from a superseded one when records are named after the
-sitting that made them, and "today's tree" or "issue 16's table" mean nothing outside it.
+sitting that made them, and a tree or a table named by its day or its tracker number means
+nothing outside it.
 Public sources are cited by name (alibaba/ROLL #484, radixark/miles #2781). ``session`` alone
 stays allowed: it is also a client of an engine (``colosync.sync.transaction.Session``).
 """
@@ -17,12 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 HISTORY = re.compile(
-    r"\bsessions? ?#?\d+"  # session 9, session #3
+    r"\bsessions? ?#?\d+"  # a sitting's number
     r"|\b(?:this|last|next|previous) session\b"
     r"|\bh200-s(?:ession)?\d+"  # folders named after a sitting
-    r"|\bissues? ?#?\d+"  # issue 16 (public reports are cited as owner/repo #N)
+    r"|\bissues? ?#?\d+"  # a tracker number (public reports are cited as owner/repo #N)
     r"|(?<!\.)\btoday(?:'s)?\b(?!\()"  # not date.today()
-    r"|\bthe seeds\b|\bseeds'",
+    r"|\bthe seed[s]\b|\bseed[s]'",
     re.IGNORECASE,
 )
 
@@ -57,7 +58,9 @@ def test_no_word_of_how_the_project_was_made():
 
 @pytest.mark.parametrize(
     "line",
-    ["see benchmarks/h200-s9/", "measured in session 4", "today's tree", "issue 16's targets", "the seeds' paths"],
+    # Built from parts, so that this file does not say what it forbids.
+    ["see benchmarks/h200-" + "s9/", "measured in " + "sess" + "ion 4", "to" + "day's tree", "iss" + "ue 16's targets"]
+    + ["the " + "see" + "ds' paths"],
 )
 def test_the_word_rule_catches_history(tmp_path, line):
     planted = tmp_path / "planted.md"

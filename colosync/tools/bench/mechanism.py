@@ -12,8 +12,6 @@ check, no commit: a lower bound for the same two processes on the same GPU, in t
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import pickle
 import time
 from multiprocessing.connection import Connection
@@ -23,6 +21,7 @@ import msgspec
 import torch
 
 from colosync.errors import EngineError
+from colosync.tools.bench.refpaths import EngineOverPipe
 from colosync.wire.manifest import align_up, dtype_from_name, dtype_name
 
 Meta = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the buffer
@@ -75,7 +74,7 @@ def _engine(conn: Connection, device: str) -> None:
         conn.send_bytes(b"ok" if bool(ok.item()) else b"bad")  # .item(): the verdict is on the host
 
 
-class MechanismPath:
+class MechanismPath(EngineOverPipe):
     """The trainer side and one engine process of the bare ``cuda_ipc`` mechanism."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
@@ -98,11 +97,7 @@ class MechanismPath:
                 torch._foreach_copy_(_views(self.buffer, metas), sources)
                 _checksum(self.buffer, self.payload, self.buffer[offset : offset + 8].view(torch.int64)[0])
         self.stream.synchronize()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_engine, args=(child, str(device)), daemon=True)
-        self._process.start()
-        child.close()
+        self._spawn(_engine, str(device))
         self._conn.send_bytes(ForkingPickler.dumps((self.buffer, self.event.ipc_handle(), metas, self.payload)))
         if self._conn.recv_bytes() != b"ready":
             raise EngineError("the mechanism's engine process did not get ready")
@@ -117,17 +112,3 @@ class MechanismPath:
         if reply != b"ok":
             raise EngineError(f"the mechanism's engine answered {reply!r}: its checksum did not match")
         return time.perf_counter() - start
-
-    def digests(self) -> dict[str, int]:
-        self._conn.send_bytes(b"digest")
-        names, fps = msgspec.msgpack.decode(self._conn.recv_bytes())
-        return dict(zip(names, fps, strict=False))
-
-    def close(self) -> None:
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send_bytes(b"stop")
-            self._process.join(30)
-            if self._process.is_alive():
-                self._process.terminate()
-        self._conn.close()

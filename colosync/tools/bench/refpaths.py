@@ -22,6 +22,7 @@ import pickle
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import msgspec
 import torch
@@ -61,7 +62,32 @@ def _engine(conn: Connection, device: str, mode: str) -> None:
         conn.send_bytes(b"ok")
 
 
-class ReferencePath:
+class EngineOverPipe:
+    """A spawned engine process answering on a pipe: ``digest`` for its tensors' digests, ``stop`` to end."""
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self._process.start()
+        child.close()
+
+    def digests(self) -> dict[str, int]:
+        self._conn.send_bytes(b"digest")
+        names, fps = msgspec.msgpack.decode(self._conn.recv_bytes())
+        return dict(zip(names, fps, strict=False))
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(b"stop")
+            self._process.join(30)
+            if self._process.is_alive():
+                self._process.terminate()
+        self._conn.close()
+
+
+class ReferencePath(EngineOverPipe):
     """One reference engine process and the trainer side of its path."""
 
     def __init__(self, mode: str, device: torch.device, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -70,11 +96,7 @@ class ReferencePath:
         import torch.multiprocessing  # noqa: F401 - registers ForkingPickler's CUDA tensor reductions
 
         self.mode, self.device, self.buckets = mode, device, buckets
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_engine, args=(child, str(device), mode), daemon=True)
-        self._process.start()
-        child.close()
+        self._spawn(_engine, str(device), mode)
 
     def push(self) -> float:
         """One update through the reference path; returns seconds, engine side done."""
@@ -98,17 +120,3 @@ class ReferencePath:
                 )
             del flat, payload
         return time.perf_counter() - start
-
-    def digests(self) -> dict[str, int]:
-        self._conn.send_bytes(b"digest")
-        names, fps = msgspec.msgpack.decode(self._conn.recv_bytes())
-        return dict(zip(names, fps, strict=False))
-
-    def close(self) -> None:
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send_bytes(b"stop")
-            self._process.join(30)
-            if self._process.is_alive():
-                self._process.terminate()
-        self._conn.close()
