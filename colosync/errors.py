@@ -165,6 +165,24 @@ class TransportUnavailable(TransportError):
     """
 
 
+class GroupJoinError(TransportError):
+    """A rank of a broadcast group did not join it within the timeout (the message lists who did).
+
+    Fix: Check that every engine of the set is up and can reach the trainer's address (``EngineSet(host=...)``),
+    that no firewall blocks the port the message names, or raise ``EngineSet(join_timeout_s=...)`` for a slow start.
+    """
+
+
+class EngineSetError(UpdateRejected):
+    """An update across an ``EngineSet`` did not commit on every engine; ``outcomes`` says what each serves now.
+
+    Fix: Drop or replace the engines the message names (``EngineSet.remove``/``add``) and push again: the next
+    update id resynchronises every engine, whatever version each serves now.
+    """
+
+    outcomes: tuple[object, ...] = ()  # the EngineOutcome of every engine of the set, when known
+
+
 class EngineError(ColosyncError):
     """The engine process failed or is gone.
 

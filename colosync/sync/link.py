@@ -9,7 +9,9 @@ the wire's messages only, never the engine's side.
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
+
+import msgspec
 
 from colosync.errors import ColosyncError, EngineError
 from colosync.wire.protocol import Ack, BatchReply, Failed, TransactionRequest
@@ -33,6 +35,23 @@ class Link(Protocol):
     def submit(self, request: TransactionRequest) -> Pending: ...
 
     def close(self) -> None: ...
+
+
+class EngineOutcome(msgspec.Struct, frozen=True):
+    """What one engine of a set (``control.engine_set``) serves after an update, and what it cost."""
+
+    engine: str
+    committed_update_id: int | None  # None: unknown (the engine is gone or did not answer)
+    serving: bool = True
+    seconds: float = 0.0  # from the update's Begin to this engine's Commit reply
+    error: str = ""  # why it did not commit this update; "" if it did
+
+
+@runtime_checkable
+class ReportsEngines(Protocol):
+    """A link to several engines, which says what each serves after the last update."""
+
+    def outcomes(self) -> tuple[EngineOutcome, ...]: ...
 
 
 class BatchPart:

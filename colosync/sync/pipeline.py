@@ -34,6 +34,7 @@ import torch
 
 from colosync.errors import ConfigError
 from colosync.kernels import fused, gather
+from colosync.sync.link import EngineOutcome
 from colosync.sync.plan import STAGING, Plan, Plans, StreamSource, ViewKey
 from colosync.transports import SenderTransport
 from colosync.transports.cuda_graphs import GraphCache, tensors_key
@@ -57,6 +58,7 @@ class SyncReport(msgspec.Struct, frozen=True):
     bytes: int
     seconds: dict[str, float]  # PHASES and total; "verify" is the engine's share of "commit" when verified
     delivery: Delivery | None = None  # what the engine checked: modules changed, probe deviation
+    engines: tuple[EngineOutcome, ...] = ()  # a set of engines: what each serves now, and its time
 
     @property
     def gbps(self) -> float:
@@ -76,7 +78,7 @@ class PhaseTimer:
         return now
 
 
-def _no_flush() -> None:
+def _no_publish(stage: Stage) -> None:
     pass
 
 
@@ -93,14 +95,14 @@ class SlotPipeline:
         num_slots: int,
         submit: Callable[[Any], Pending],
         begin: Begin | BeginAgain,
-        flush: Callable[[], None] = _no_flush,
+        publish: Callable[[Stage], None] = _no_publish,
         timer: PhaseTimer | None = None,
         submit_batch: Callable[[list[Any]], list[Pending]] | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.lag = 1 if num_slots >= 2 else 0  # which later Stage's reply frees a slot
         self.timer = timer if timer is not None else PhaseTimer()
-        self._submit, self._flush, self._submit_batch = submit, flush, submit_batch
+        self._submit, self._publish, self._submit_batch = submit, publish, submit_batch
         self._replies: list[Pending] = [submit(begin)]  # Begin's, then Stage k's at index k + 1
         self._read = 0  # replies[:_read] have been read
         self._last_use = [-1] * num_slots  # the chunk that last wrote each slot
@@ -170,13 +172,13 @@ class SlotPipeline:
         self._replies.append(self._submit(self._ready(stage, fence, fp)))
 
     def _ready(self, stage: Stage, fence: Any, fp: Any) -> Stage:
-        """``stage`` once its bytes may be read: its fence passed, the transport flushed, its fingerprint in."""
+        """``stage`` once its bytes may be read: its fence passed, the transport published them, its fingerprint in."""
         t = time.perf_counter()
         if fence is not None:
             fence.synchronize()
-        self._flush()
         if fp is not None:
             stage = msgspec.structs.replace(stage, fingerprint=int(fp.item() if isinstance(fp, torch.Tensor) else fp))
+        self._publish(stage)
         self.timer.add("transfer", t)
         return stage
 

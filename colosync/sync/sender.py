@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from colosync import transports
@@ -33,9 +34,10 @@ from colosync.errors import (
     UnknownLayoutError,
     UpdateRejected,
 )
-from colosync.sync.link import Link
+from colosync.sync.link import Link, ReportsEngines
 from colosync.sync.pipeline import BucketStreamer, PhaseTimer, SlotPipeline, SyncReport
 from colosync.sync.plan import LayoutChanged, Plan, Plans, StreamSource
+from colosync.transports.base import Peers
 from colosync.wire.bucket import TensorSpec, typed_views
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, align_up
 from colosync.wire.protocol import Abort, Ack, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
@@ -148,6 +150,7 @@ class Sender:
         # (layout, kind, lora, adapters) of the engine's last begun and committed update: a BeginAgain repeats it
         self._begun: tuple[Layout, str, LoraSpec | None, AdapterPolicy] | None = None
         self._arena: Plan | None = None  # the one plan this Sender may push, if it hosts an arena
+        self._peers: Peers | None = None  # the receivers the transport was made for (a set of engines)
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -254,10 +257,7 @@ class Sender:
 
     def close(self) -> None:
         if self._transport is not None:
-            try:  # the engine drops its mapping and lets another sender attach
-                self.link.submit(Detach(reason="Sender.close")).wait()
-            except Exception as exc:  # a gone engine has nothing to detach
-                log.debug("detach not acknowledged: %s", exc)
+            _detach(self.link)  # the engine drops its mapping and lets another sender attach
             if self._streamer is not None:
                 self._streamer.drain()  # no copy may land in the slots once they are unmapped
             self._transport.close()
@@ -318,38 +318,38 @@ class Sender:
             begin: Begin | BeginAgain = Begin(manifest)
             if batch is not None and begun == (plan.layout, manifest.kind, lora, adapters):
                 begin = BeginAgain(uid, plan.digest(manifest))
-            pipe = SlotPipeline(transport.num_slots, self.link.submit, begin, transport.flush, timer, batch)
+            pipe = SlotPipeline(transport.num_slots, self.link.submit, begin, transport.publish, timer, batch)
             streamer.stream(plan, uid, pipe, tensors, source, check)
             if source is not None:
                 source.finish()
             ack = pipe.finish(Prepare(uid), Commit(uid, probe=verify))
         except BaseException as exc:
             _abort(self.link, self._streamer, uid, exc)
+            if not transport.survives_abort:  # e.g. a group whose collectives may be out of step: a fresh one next
+                self.close()
             raise
         self._begun = (plan.layout, manifest.kind, lora, adapters)
-        return _report(uid, manifest.kind, transport.name, plan, timer, start, ack, verify is not None)
+        report = _report(uid, manifest.kind, transport.name, plan, timer, start, ack, verify is not None)
+        return _with_engines(report, self.link)
 
     def _attach(self, device: torch.device, plan: Plan | None) -> BucketStreamer:
-        """The attached transport (through its streamer), attaching one on first use."""
-        if self._streamer is not None:
+        """The attached transport (through its streamer), attaching one on first use or when a set's members changed."""
+        peers: Peers | None = getattr(self.link, "peers", None)  # a set of engines (control.engine_set)
+        if self._streamer is not None and peers == self._peers:
             return self._streamer
-        bucket_bytes, slots = self.bucket_bytes, self.slots
-        if plan is not None and plan.sizes:  # no bigger than the first update needs (a slot has at least 64 KiB)
-            bucket_bytes = min(bucket_bytes, align_up(max(*plan.sizes, 1), 1 << 16))
-            slots = max(1, min(slots, len(plan.sizes)))
+        self.close()
         link, takeover = self.link, self.takeover
         attached = transports.attach_first(
             self.transport_name,
             device,
-            bucket_bytes,
-            slots,
+            *_first_geometry(plan, self.bucket_bytes, self.slots),
             lambda name, handle: link.submit(Attach(transport=name, handle=handle, takeover=takeover)).wait(),
+            peers,
         )
-        self.transport_log = attached.log
+        self.transport_log, self._peers, self._transport = attached.log, peers, attached.transport
         self._plans.drop_views()  # views of some earlier transport's slots
         if self._next_id is None:
             self._next_id = attached.reply.next_update_id()
-        self._transport = attached.transport
         self._streamer = BucketStreamer(attached.transport, self._plans, self.bucket_bytes)
         return self._streamer
 
@@ -359,6 +359,13 @@ class Sender:
         uid = self._next_id if requested is None else requested
         self._next_id = max(self._next_id, uid + 1)
         return uid
+
+
+def _first_geometry(plan: Plan | None, bucket_bytes: int, slots: int) -> tuple[int, int]:
+    """Buckets and slots no bigger than the first update needs (a slot has at least 64 KiB)."""
+    if plan is not None and plan.sizes:
+        return min(bucket_bytes, align_up(max(*plan.sizes, 1), 1 << 16)), max(1, min(slots, len(plan.sizes)))
+    return bucket_bytes, slots
 
 
 def _arena_views(transport: transports.SenderTransport, plan: Plan, device: torch.device) -> list[torch.Tensor]:
@@ -372,6 +379,13 @@ def _arena_views(transport: transports.SenderTransport, plan: Plan, device: torc
     views = typed_views(slot[: plan.sizes[0]], plan.metas) if plan.sizes else []
     plan.arena = views
     return list(views)
+
+
+def _detach(link: Link) -> None:
+    try:
+        link.submit(Detach(reason="Sender.close")).wait()
+    except Exception as exc:  # a gone engine has nothing to detach
+        log.debug("detach not acknowledged: %s", exc)
 
 
 def _abort(link: Link, streamer: BucketStreamer | None, uid: int, exc: BaseException) -> None:
@@ -417,6 +431,13 @@ def _report(
         seconds["total"] * 1e3,
         transport,
     )
+    return report
+
+
+def _with_engines(report: SyncReport, link: Link) -> SyncReport:
+    """``report`` with what each engine of a set now serves, where the link is a set."""
+    if isinstance(link, ReportsEngines):
+        return msgspec.structs.replace(report, engines=link.outcomes())
     return report
 
 

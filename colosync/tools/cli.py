@@ -18,6 +18,7 @@ COMMANDS: tuple[str, ...] = (
     "colosync.tools.bench.step",
     "colosync.tools.probe",
     "colosync.tools.bench.sync",
+    "colosync.tools.bench.separated",
     "colosync.tools.bench.source",
     "colosync.tools.handoff",
 )

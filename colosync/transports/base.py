@@ -26,15 +26,41 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import msgspec
 import torch
 
+from colosync.errors import ConfigError
 from colosync.wire.protocol import Stage
+
+
+class Peers(msgspec.Struct, frozen=True):
+    """The receivers one sender reaches at once (an ``EngineSet``): how many processes open the handle.
+
+    ``receivers`` counts processes, not engines (a vLLM engine with TP=2 opens it in two workers).
+    ``host``: the address the receivers reach the sender at; ``join_timeout_s``: how long a transport
+    that forms a group waits for all of them; ``generation`` changes when the set's members do, so a
+    Sender attaches afresh."""
+
+    receivers: int
+    host: str = "127.0.0.1"
+    join_timeout_s: float = 60.0
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.receivers < 1:
+            raise ConfigError(f"Peers needs at least one receiver, got {self.receivers}")
+        if not self.join_timeout_s > 0:
+            raise ConfigError(f"join_timeout_s must be positive, got {self.join_timeout_s}")
 
 
 class SenderTransport(ABC):
     """Trainer side: creates the slots and the handle that describes them."""
 
     name: ClassVar[str]
+    colocated: ClassVar[bool] = True
+    """Whether the bytes pass through memory both sides map on one machine (False: over a network group)."""
+    survives_abort: ClassVar[bool] = True
+    """Whether the transport stays usable after an update is aborted midway; if not, a Sender attaches afresh."""
 
     @classmethod
     @abstractmethod
@@ -43,8 +69,12 @@ class SenderTransport(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> SenderTransport:
-        """Allocate the slots once; they are reused for every update."""
+    def create(cls, slot_bytes: int, slots: int, device: torch.device, peers: Peers | None = None) -> SenderTransport:
+        """Allocate the slots once; they are reused for every update.
+
+        ``peers``: the receivers that will open the handle when there are several (an ``EngineSet``);
+        a transport that forms a group sizes it by them, one over shared memory ignores it (every
+        receiver maps the same slots, as a vLLM engine's tensor-parallel workers do)."""
 
     @classmethod
     def geometry(cls, bucket_bytes: int, slots: int, device: torch.device) -> tuple[int, int]:
@@ -79,6 +109,13 @@ class SenderTransport(ABC):
 
     def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
+
+    def publish(self, stage: Stage) -> None:
+        """``stage``'s bytes are final in its slot and its Stage goes out next: make them visible.
+
+        By default ``flush``; a transport that moves the bytes itself (``broadcast``) starts moving them here.
+        """
+        self.flush()
 
     def written(self, index: int, device: torch.device, fingerprint: torch.Tensor | None = None) -> int:
         """Writes into slot ``index`` are queued on ``device``'s current stream: the seal the receiver waits for.

@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from colosync.errors import TransportError
-from colosync.transports.base import ReceiverTransport, SenderTransport
+from colosync.transports.base import Peers, ReceiverTransport, SenderTransport
 from colosync.wire.protocol import Stage
 
 log = logging.getLogger(__name__)
@@ -328,7 +328,7 @@ class CudaIpcSender(SenderTransport):
         return True, "one cudaMalloc buffer exported once; the engine opens it once and copies out on the GPU"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> CudaIpcSender:
+    def create(cls, slot_bytes: int, slots: int, device: torch.device, peers: Peers | None = None) -> CudaIpcSender:
         return cls(slot_bytes, slots, device)
 
     def __init__(self, slot_bytes: int, slots: int, device: torch.device) -> None:

@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from colosync.errors import ManifestError, TransportError
-from colosync.transports.base import ReceiverTransport, SenderTransport
+from colosync.transports.base import Peers, ReceiverTransport, SenderTransport
 from colosync.wire.protocol import Stage
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class ShmSender(SenderTransport):
         return True, f"POSIX shared memory, {pinned}"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> ShmSender:
+    def create(cls, slot_bytes: int, slots: int, device: torch.device, peers: Peers | None = None) -> ShmSender:
         return cls(slot_bytes, slots, device)
 
     @classmethod

@@ -216,18 +216,23 @@ def stream_worker(rank: int, world: int, mesh_shape: tuple[int, ...]) -> dict[st
     }
 
 
+def perturbed_sources(model_dir: str, world: int, bucket_bytes: int) -> tuple[Any, Any]:
+    """The full and the LoRA ``FsdpSource`` of the perturbed tiny llama with its adapter, sharded over ``world``."""
+    from colosync.sources.fsdp import FsdpSource
+
+    model = shard(with_lora(tiny_llama(model_dir, perturb=5), seed=2), (world,))
+    return FsdpSource(model, "full", bucket_bytes=bucket_bytes), FsdpSource(model, "lora", bucket_bytes=bucket_bytes)
+
+
 def engine_worker(rank: int, world: int, model_dir: str, address_bytes: bytes, bucket_bytes: int) -> dict[str, Any]:
     """Full weights, then the LoRA, from an FSDP2 model into the hf engine process."""
     import msgspec
 
     from colosync.control.channel import EngineAddress
     from colosync.engines.process import connect
-    from colosync.sources.fsdp import FsdpSource
     from colosync.sync.sender import Sender
 
-    model = shard(with_lora(tiny_llama(model_dir, perturb=5), seed=2), (world,))
-    full = FsdpSource(model, "full", bucket_bytes=bucket_bytes)
-    lora = FsdpSource(model, "lora", bucket_bytes=bucket_bytes)
+    full, lora = perturbed_sources(model_dir, world, bucket_bytes)
     if not full.is_sender:
         full.push(None)
         lora.push(None)
@@ -242,6 +247,36 @@ def engine_worker(rank: int, world: int, model_dir: str, address_bytes: bytes, b
         "is_sender": True,
         "update_ids": [r.update_id for r in reports if r],
         "tensors": [r.tensors for r in reports if r],
+    }
+
+
+def engine_set_worker(
+    rank: int, world: int, model_dir: str, addresses: list[bytes], bucket_bytes: int, transport: str
+) -> dict[str, Any]:
+    """Full weights, then the LoRA, from an FSDP2 model into a set of hf engine processes (separated mode)."""
+    import msgspec
+
+    from colosync.control.channel import EngineAddress
+    from colosync.control.engine_set import EngineSet
+    from colosync.engines.process import connect
+    from colosync.sync.sender import Sender
+
+    full, lora = perturbed_sources(model_dir, world, bucket_bytes)
+    if not full.is_sender:
+        full.push(None)
+        lora.push(None)
+        return {"is_sender": False}
+    links = {f"e{i}": connect(msgspec.msgpack.decode(a, type=EngineAddress), "hf") for i, a in enumerate(addresses)}
+    engines = EngineSet(links, join_timeout_s=30.0)
+    try:
+        with Sender(engines, transport=transport, bucket_bytes=bucket_bytes) as sender:
+            reports = [full.push(sender), lora.push(sender)]
+    finally:
+        engines.close()
+    return {
+        "is_sender": True,
+        "update_ids": [r.update_id for r in reports if r],
+        "served": [[o.committed_update_id for o in r.engines] for r in reports if r],
     }
 
 

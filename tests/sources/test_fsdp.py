@@ -15,6 +15,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from tests.sources.fsdp_workers import (
+    engine_set_worker,
     engine_worker,
     exactness_worker,
     gpu_worker,
@@ -113,6 +114,24 @@ def test_fsdp_push_into_hf_engine_matches_unsharded_peft_greedy(world2, hf_engin
     assert got.tokens == want_tokens
     for got_lp, want_lp in zip(got.logprobs, want_logprobs, strict=True):
         assert got_lp == pytest.approx(want_lp, abs=1e-5)
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "p2p"])
+def test_two_fsdp_ranks_feed_two_engines_as_one_set(world2, hf_engine, tiny_model_dir, transport):
+    from colosync.engines.config import EngineConfig, Generate
+    from colosync.engines.process import EngineProcess
+    from colosync.testing import greedy
+
+    reference = with_lora(tiny_llama(str(tiny_model_dir), perturb=5), seed=2)
+    want_tokens, _ = greedy(reference, PROMPTS, 8)
+    with EngineProcess(EngineConfig(engine="hf", model_dir=str(tiny_model_dir), max_lora_rank=16)) as second:
+        addresses = [msgspec.msgpack.encode(e.address) for e in (hf_engine, second)]
+        sender, other = world2.run(engine_set_worker, str(tiny_model_dir), addresses, 16 << 10, transport)
+        assert sender["is_sender"] and not other["is_sender"]
+        assert sender["served"] == [[uid, uid] for uid in sender["update_ids"]]
+        for engine in (hf_engine, second):
+            got = engine.call(Generate(prompts=PROMPTS, max_new_tokens=8))
+            assert got.update_id == sender["update_ids"][-1] and got.tokens == want_tokens
 
 
 def test_engine_refusing_mid_push_raises_on_every_rank_then_a_valid_push_commits(world2, hf_engine):

@@ -222,21 +222,21 @@ def test_pipeline_reads_exactly_the_replies_the_lag_rule_needs(slots):
     assert read == ["Begin"] + [f"S{k}" for k in range(11)] + ["Prepare", "Commit"]
 
 
-def test_pipeline_holds_one_chunk_back_then_flushes_and_fingerprints_it():
+def test_pipeline_holds_one_chunk_back_then_publishes_and_fingerprints_it():
     engine = _Engine()
-    flushed: list[int] = []
+    published: list[tuple[int, int | None]] = []  # (messages sent by then, the Stage's fingerprint)
     pipe = SlotPipeline(
         2,
         engine.submit,
         Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))),
-        flush=lambda: flushed.append(len(engine.sent)),
+        publish=lambda stage: published.append((len(engine.sent), stage.fingerprint)),
     )
     pipe.put(Stage(1, 0, 0, 64, pipe.acquire(), None), None, torch.tensor(1234))
     assert [type(r).__name__ for r in engine.sent] == ["Begin"]  # held until the next chunk is written
     pipe.put(Stage(1, 1, 0, 64, pipe.acquire(), None), None, 7)
-    assert engine.sent[1].fingerprint == 1234 and flushed == [1]  # flushed before the Stage went out
+    assert engine.sent[1].fingerprint == 1234 and published == [(1, 1234)]  # published before the Stage went out
     pipe.finish(Prepare(1), Commit(1))
-    assert engine.sent[2].fingerprint == 7 and flushed == [1, 2]
+    assert engine.sent[2].fingerprint == 7 and published == [(1, 1234), (2, 7)]
     assert set(pipe.timer.seconds) == {"pack", "transfer", "stage", "prepare", "commit"}
 
 
@@ -367,7 +367,7 @@ class _Fake(SenderTransport):
         return True, f"{cls.name} is fine here"
 
     @classmethod
-    def create(cls, slot_bytes: int, slots: int, device: torch.device) -> _Fake:
+    def create(cls, slot_bytes: int, slots: int, device: torch.device, peers=None) -> _Fake:
         if cls.fail_create:
             raise TransportError(f"{cls.name}: out of shared memory")
         return cls(slot_bytes, slots)

@@ -26,6 +26,7 @@ synchronous ``LLM`` do not generate from another thread during a verified commit
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -234,6 +235,11 @@ class _VllmLinkBase:
 
     def close(self) -> None:
         pass
+
+    @functools.cached_property
+    def receivers(self) -> int:
+        """The processes an update's bytes reach, one per worker (what an ``EngineSet`` counts)."""
+        return len(self.info())
 
     def info(self) -> list[WorkerInfo]:
         """One ``WorkerInfo`` per worker; fails with the fix if the extension is missing."""

@@ -21,14 +21,14 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from colosync import workloads
-from colosync.errors import ColosyncError, ConfigError
+from colosync.errors import ConfigError
 from colosync.tools.bench.machine import mps_daemon, run_header
+from colosync.tools.bench.output import run_and_report
 from colosync.tools.subcommand import add_subcommand
 
 if TYPE_CHECKING:
@@ -384,7 +384,8 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     workload, specs, lora = load_sync_workload(args.workload)
-    names = [t.strip() for t in args.transports.split(",")] if args.transports else registry.names()
+    colocated = [n for n in registry.names() if registry.sender_class(n).colocated]  # bench-separated: the others
+    names = [t.strip() for t in args.transports.split(",")] if args.transports else colocated
     refs = [r.strip() for r in args.references.split(",") if r.strip()] if args.references != "none" else []
     buckets = _bucket_bytes(args.bucket_mb)
     slots = _per_transport(args.slots, DEFAULT_SLOTS)
@@ -541,32 +542,7 @@ def print_table(result: BenchResult, console=None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    err = Console(stderr=True)
-    try:
-        if args.json:
-            result = run_bench(args)
-        else:
-            with Progress(
-                TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True
-            ) as progress:
-                result = run_bench(args, progress)
-    except ColosyncError as exc:
-        print(f"colosync bench: {exc}", file=sys.stderr)
-        return 2
-    encoded = msgspec.json.format(msgspec.json.encode(result).decode(), indent=2) + "\n"
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(encoded)
-    if args.json:
-        sys.stdout.write(encoded)
-    else:
-        print_table(result)
-        if args.out:
-            err.print(f"wrote {args.out}")
-    return 0 if all(r.verified is not False for r in result.results) else 1
+    return run_and_report("bench", args, run_bench, print_table)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -581,7 +557,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="seed-lora",
         help=f"a shipped workload ({', '.join(workloads.names('sync'))}) or a JSON file path (default seed-lora)",
     )
-    parser.add_argument("--transports", default=None, help="comma-separated transports (default: all registered)")
+    parser.add_argument("--transports", default=None, help="comma-separated transports (default: every colocated one)")
     parser.add_argument(
         "--references",
         default="fresh_ipc,pickle",
