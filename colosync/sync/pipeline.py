@@ -126,6 +126,7 @@ class SlotPipeline:
         """
         self._last_use[stage.slot] = self.chunks
         self.chunks += 1
+        self._publish(stage)  # a transport that moves the bytes itself starts now, while the next chunk is packed
         held = self._held
         held.append((stage, fence, fingerprint))
         if len(held) > 1:
@@ -172,13 +173,12 @@ class SlotPipeline:
         self._replies.append(self._submit(self._ready(stage, fence, fp)))
 
     def _ready(self, stage: Stage, fence: Any, fp: Any) -> Stage:
-        """``stage`` once its bytes may be read: its fence passed, the transport published them, its fingerprint in."""
+        """``stage`` once its bytes may be read: its fence passed, its fingerprint in."""
         t = time.perf_counter()
         if fence is not None:
             fence.synchronize()
         if fp is not None:
             stage = msgspec.structs.replace(stage, fingerprint=int(fp.item() if isinstance(fp, torch.Tensor) else fp))
-        self._publish(stage)
         self.timer.add("transfer", t)
         return stage
 

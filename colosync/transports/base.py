@@ -107,15 +107,13 @@ class SenderTransport(ABC):
     def attached(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """The peer has opened the handle (e.g. a name can now be unlinked)."""
 
-    def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Make bytes written into a slot visible to the peer (e.g. sync a copy stream)."""
+    def publish(self, stage: Stage) -> None:  # noqa: B027 - optional hook, no-op by default
+        """``stage``'s bytes are written into its slot (queued on the device's current stream, on a GPU).
 
-    def publish(self, stage: Stage) -> None:
-        """``stage``'s bytes are final in its slot and its Stage goes out next: make them visible.
-
-        By default ``flush``; a transport that moves the bytes itself (``broadcast``) starts moving them here.
+        Called as soon as they are, before the Stage goes out (a Sender holds each Stage back until
+        the next chunk is written). Shared memory needs nothing; a transport that moves the bytes
+        itself (``broadcast``, ``p2p``) starts moving them here, so the move overlaps the next pack.
         """
-        self.flush()
 
     def written(self, index: int, device: torch.device, fingerprint: torch.Tensor | None = None) -> int:
         """Writes into slot ``index`` are queued on ``device``'s current stream: the seal the receiver waits for.

@@ -222,21 +222,22 @@ def test_pipeline_reads_exactly_the_replies_the_lag_rule_needs(slots):
     assert read == ["Begin"] + [f"S{k}" for k in range(11)] + ["Prepare", "Commit"]
 
 
-def test_pipeline_holds_one_chunk_back_then_publishes_and_fingerprints_it():
+def test_pipeline_publishes_each_chunk_at_once_and_holds_its_stage_back_until_the_next():
     engine = _Engine()
-    published: list[tuple[int, int | None]] = []  # (messages sent by then, the Stage's fingerprint)
+    published: list[tuple[int, int]] = []  # (messages sent by then, the chunk's bucket)
     pipe = SlotPipeline(
         2,
         engine.submit,
         Begin(UpdateManifest(1, "full", plan_buckets([], 1 << 16))),
-        publish=lambda stage: published.append((len(engine.sent), stage.fingerprint)),
+        publish=lambda stage: published.append((len(engine.sent), stage.bucket)),
     )
     pipe.put(Stage(1, 0, 0, 64, pipe.acquire(), None), None, torch.tensor(1234))
     assert [type(r).__name__ for r in engine.sent] == ["Begin"]  # held until the next chunk is written
+    assert published == [(1, 0)]  # but its bytes may start moving now
     pipe.put(Stage(1, 1, 0, 64, pipe.acquire(), None), None, 7)
-    assert engine.sent[1].fingerprint == 1234 and published == [(1, 1234)]  # published before the Stage went out
+    assert engine.sent[1].fingerprint == 1234 and published == [(1, 0), (1, 1)]
     pipe.finish(Prepare(1), Commit(1))
-    assert engine.sent[2].fingerprint == 7 and published == [(1, 1234), (2, 7)]
+    assert engine.sent[2].fingerprint == 7 and published == [(1, 0), (1, 1)]
     assert set(pipe.timer.seconds) == {"pack", "transfer", "stage", "prepare", "commit"}
 
 
