@@ -194,6 +194,17 @@ def demo_soak(record: Record) -> tuple[str, str, str]:
     return head, "–", "–"
 
 
+def separated(record: Record) -> tuple[str, str, str]:
+    by = {r["path"]: r for r in record["results"]}
+    fastest = min(("p2p", "broadcast"), key=lambda p: by[p]["median_ms"])
+    head = (
+        f"{record['workload']['name']} to {record['engines']} engines as one set: `{fastest}` "
+        f"**{ms(by[fastest]['median_ms'])}**, `shm` {ms(by['shm']['median_ms'])}"
+    )
+    raw = min(by["raw:broadcast"]["median_ms"], by["raw:p2p"]["median_ms"])
+    return head, f"bare gloo group {ms(raw)}", "–"
+
+
 @dataclass(frozen=True)
 class Row:
     subject: str
@@ -213,6 +224,7 @@ ROWS = [
     Row("sync kernels alone", "kernels", "record.json", kernels),
     Row("control channel", "channel", "record.json", channel),
     Row("control channel, H200 host", "channel", "h200.json", channel_h200),
+    Row("separated mode (gloo, CPU)", "separated", "record.json", separated),
     Row("FSDP2 source", "fsdp-source", "record.json", fsdp_source),
     Row("TRL GRPOTrainer sync", "trl-sync", "record.json", trl_sync),
     Row("verification cost", "verify-cost", "record.json", verify_cost),

@@ -20,7 +20,7 @@ from colosync.control.engine_set import EngineSet
 from colosync.engines.config import EngineConfig, Generate
 from colosync.engines.process import EngineProcess
 from colosync.engines.store import Fetch
-from colosync.errors import ConfigError, DeliveryError, EngineSetError, GroupJoinError
+from colosync.errors import ConfigError, DeliveryError, EngineBusyError, EngineSetError, GroupJoinError
 from colosync.sync.sender import Sender
 from colosync.testing import fill_lora, random_lora
 from colosync.wire.manifest import dtype_from_name
@@ -354,3 +354,16 @@ def test_engines_placed_by_ray_form_a_set():
         remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_an_engine_that_refuses_the_attach_leaves_no_other_engine_attached(stores):
+    """Engine c is owned by another sender, so the set's Attach fails there; a and b must not stay owned."""
+    with Sender(stores["c"].connect("owner"), transport="shm") as owner:
+        owner.push([("x", torch.ones(3))])
+        engine_set = EngineSet({n: e.connect(f"refused-{n}") for n, e in stores.items()}, join_timeout_s=JOIN_S)
+        with Sender(engine_set, transport="shm") as sender, pytest.raises(EngineBusyError, match="engine c"):
+            sender.push([("x", torch.zeros(3))])
+        for name in "ab":  # detached while the set's connections stay open: a new sender attaches, no takeover
+            with Sender(stores[name].connect("next"), transport="shm") as nxt:
+                nxt.push([("x", torch.full((3,), 2.0))])
+        engine_set.close()
