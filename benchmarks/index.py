@@ -195,14 +195,14 @@ def demo_soak(record: Record) -> tuple[str, str, str]:
 
 
 def separated(record: Record) -> tuple[str, str, str]:
-    by = {r["path"]: r for r in record["results"]}
-    fastest = min(("p2p", "broadcast"), key=lambda p: by[p]["median_ms"])
-    head = (
-        f"{record['workload']['name']} to {record['engines']} engines as one set: `{fastest}` "
-        f"**{ms(by[fastest]['median_ms'])}**, `shm` {ms(by['shm']['median_ms'])}"
-    )
-    raw = min(by["raw:broadcast"]["median_ms"], by["raw:p2p"]["median_ms"])
-    return head, f"bare gloo group {ms(raw)}", "–"
+    by = {r["path"]: r["median_ms"] for r in record["results"]}
+    paths = [p for p in ("p2p", "broadcast", "shm") if p in by]
+    fastest = min((p for p in paths if p != "shm"), key=by.__getitem__, default=paths[0])
+    head = f"{record['workload']['name']} to {record['engines']} engines as one set: `{fastest}` **{ms(by[fastest])}**"
+    head += f", `shm` {ms(by['shm'])}" if "shm" in by and fastest != "shm" else ""
+    backend = "gloo" if record.get("device", "cpu") == "cpu" else "NCCL"
+    raw = min(v for p, v in by.items() if p.startswith("raw:"))
+    return head, f"bare {backend} group {ms(raw)}", "–"
 
 
 @dataclass(frozen=True)

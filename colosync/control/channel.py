@@ -419,8 +419,13 @@ class SocketLink:
                 try:
                     (size,) = _HEADER.unpack(self._read_exactly(_HEADER.size))
                     data = self._read_exactly(size)
-                except TimeoutError:
-                    raise EngineError(f"the engine did not answer within {self.timeout_s}s") from None
+                except TimeoutError:  # a reply may be half read: this connection is done (the engine sees it end)
+                    with contextlib.suppress(OSError):
+                        self._sock.close()
+                    raise EngineError(
+                        f"the engine did not answer within {self.timeout_s}s, so it is stalled or overloaded; this "
+                        "connection is closed (the engine aborts its update when it sees that): connect again"
+                    ) from None
                 except (OSError, EOFError) as exc:
                     raise EngineError(f"the engine process is gone ({exc}); restart it") from exc
                 head = self._waiting.popleft()

@@ -29,6 +29,7 @@ from typing import Any
 from colosync.errors import (
     ColosyncError,
     ConfigError,
+    DeliveryError,
     EngineError,
     EngineSetError,
     TransactionStateError,
@@ -44,6 +45,7 @@ from colosync.wire.protocol import (
     Commit,
     Detach,
     Prepare,
+    Revert,
     Status,
     TransactionRequest,
 )
@@ -68,10 +70,11 @@ class EngineSet:
         self._members: dict[str, _Member] = {name: _Member(name, link) for name, link in engines.items()}
         self.host, self.join_timeout_s = host, join_timeout_s
         self._generation = 0
-        self._votes: dict[str, Pending] | None = None  # the Prepare replies of the update in flight
+        self._votes: tuple[int, dict[str, Pending]] | None = None  # the update in flight and its Prepare replies
         self._begun_at = time.perf_counter()
         self._outcomes: tuple[EngineOutcome, ...] = ()
-        Peers(receivers=1, join_timeout_s=join_timeout_s)  # validates the timeout here, not at the first push
+        if not join_timeout_s > 0:
+            raise ConfigError(f"join_timeout_s must be positive, got {join_timeout_s}")
 
     # -- members ------------------------------------------------------------------------------
     @property
@@ -118,7 +121,7 @@ class EngineSet:
             self._begun_at, self._votes = time.perf_counter(), None
         sent = self._fan(request)
         if isinstance(request, Prepare):
-            self._votes = sent
+            self._votes = (request.update_id, sent)
         return _All(request, sent, self._undo_attach if isinstance(request, Attach) else None)
 
     def submit_batch(self, requests: list[Any]) -> list[Pending]:
@@ -130,7 +133,7 @@ class EngineSet:
         for i, request in enumerate(head):
             sent = {name: pendings[i] for name, pendings in per_engine.items()}
             if isinstance(request, Prepare):
-                self._votes = sent
+                self._votes = (request.update_id, sent)
             parts.append(_All(request, sent))
         if commit is not None:
             parts.append(self._commit(commit))
@@ -146,33 +149,45 @@ class EngineSet:
         return {name: member.submit(request) for name, member in self._members.items()}
 
     def _commit(self, request: Commit) -> Pending:
-        """Phase two: Commit everywhere if every engine prepared, else nowhere."""
-        votes, self._votes = self._votes, None
-        if votes is None or set(votes) != set(self._members):
+        """Phase two: Commit everywhere if every engine prepared this update, else nowhere."""
+        uid, (voted, votes) = request.update_id, self._votes or (None, {})
+        self._votes = None
+        if voted != uid or set(votes) != set(self._members):
             return Done(
                 error=TransactionStateError(
-                    f"Commit of update {request.update_id} without a Prepare to every engine of the set; "
-                    "a Sender sends Prepare first"
+                    f"Commit of update {uid} without a Prepare of it to every engine of the set; a Sender sends "
+                    "Prepare first"
                 )
             )
         refused = {name: reply for name, reply in _collect(votes).items() if isinstance(reply, ColosyncError)}
-        if refused:
-            self._outcomes = self._describe(request.update_id, refused)
-            return Done(
-                error=_set_error(
-                    f"update {request.update_id} was committed nowhere: {_list(refused)} did not prepare it, so no "
-                    "engine was asked to commit (every engine keeps its previous version)",
-                    self._outcomes,
-                )
-            )
+        if refused:  # (the Sender has read these refusals already; this only keeps the Commit from going out)
+            return Done(error=_set_error(f"update {uid} was committed nowhere: {_list(refused)} did not prepare it"))
         sent = self._fan(request)
-        return _All(request, sent, on_done=lambda replies, read: self._committed(request.update_id, replies, read))
+        return _All(request, sent, on_done=lambda replies, read: self._committed(uid, replies, read))
 
     def _committed(self, uid: int, replies: Replies, read: dict[str, float]) -> None:
-        """Record each engine's outcome; raise ``EngineSetError`` if any did not commit ``uid``."""
+        """Record each engine's outcome; raise if any did not commit ``uid``.
+
+        A probe that failed on some engines only (they rolled back) is reverted on the others too: the
+        update is wrong, and every engine goes back to what it served before (or, for a full update it
+        cannot undo, fails closed like the engine that refused)."""
         failed = {name: reply for name, reply in replies.items() if isinstance(reply, ColosyncError)}
-        self._outcomes = self._describe(uid, failed, replies, read)
-        if len(failed) == len(replies):  # refused alike everywhere (a probe that fails): as from one engine
+        verification = any(isinstance(e, DeliveryError) for e in failed.values())
+        undone = [name for name in replies if name not in failed] if verification else []
+        for name in undone:
+            reason = f"engine(s) {', '.join(failed)} of its set failed verification of update {uid}"
+            _quiet(self._members[name], Revert(uid, reason=reason))
+        kept = {name: reply for name, reply in replies.items() if name not in undone}
+        self._outcomes = self._describe(uid, failed, kept, read)
+        if undone:
+            served = ", ".join(f"{o.engine}: {o.committed_update_id}" for o in self._outcomes)
+            error = DeliveryError(
+                f"update {uid} failed verification on {_list(failed)}; it was reverted on {', '.join(undone)} too, "
+                f"so no engine serves it (each serves: {served})"
+            )
+            error.outcomes = self._outcomes  # type: ignore[attr-defined]  # as EngineSetError's
+            raise error
+        if len(failed) == len(replies):  # refused alike everywhere: as from one engine
             _combined(Commit(uid), replies, self._outcomes)
         if failed:
             served = ", ".join(f"{o.engine}: {o.committed_update_id}" for o in self._outcomes)
@@ -228,7 +243,7 @@ class _Member:
         return [_Later(sent, i) for i in range(len(requests))]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a request stuck on a gone engine holds nothing up
         try:
             self.link.close()
         except Exception as exc:
@@ -289,7 +304,7 @@ def _combined(request: TransactionRequest, replies: Replies, outcomes: tuple[Eng
         acks = [r for r in replies.values() if isinstance(r, Ack)] + [s for s in statuses if isinstance(s, Ack)]
         if acks:
             error.status = _merge(acks)  # type: ignore[attr-defined]  # read by a Sender resynchronising ids
-        raise error
+        raise error from next(iter(failed.values()))
     return _merge([r for r in replies.values() if isinstance(r, Ack)])
 
 
@@ -360,7 +375,7 @@ def _list(errors: Mapping[str, BaseException]) -> str:
     return "; ".join(f"engine {name} ({type(e).__name__}: {e})" for name, e in errors.items())
 
 
-def _set_error(message: str, outcomes: tuple[EngineOutcome, ...]) -> EngineSetError:
+def _set_error(message: str, outcomes: tuple[EngineOutcome, ...] = ()) -> EngineSetError:
     error = EngineSetError(message)
     error.outcomes = outcomes
     return error

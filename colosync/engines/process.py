@@ -243,9 +243,12 @@ class EngineProcess:
         self.address = msgspec.msgpack.decode(first, type=EngineAddress)
         self.link = self.connect()
 
-    def connect(self, name: str = "") -> SocketLink:
-        """A new connection to this engine (one per thread or process that talks to it)."""
-        return connect(self.address, self.config.engine, name)
+    def connect(self, name: str = "", timeout_s: float | None = None) -> SocketLink:
+        """A new connection to this engine (one per thread or process that talks to it).
+
+        ``timeout_s``: how long a reply may take before the engine counts as stalled (the
+        connection then closes and the wait raises ``EngineError``); ``None`` waits for as long as it takes."""
+        return connect(self.address, self.config.engine, name, timeout_s)
 
     def call(self, request: msgspec.Struct) -> Any:
         return self.link.call(request)
@@ -301,10 +304,11 @@ def _stop(process: BaseProcess, timeout_s: float = 10.0) -> None:
         process.join(timeout_s)
 
 
-def connect(address: EngineAddress, engine: str, name: str = "") -> SocketLink:
-    """A link to the engine process at ``address`` serving the registered engine ``engine`` (e.g. ``"hf"``)."""
+def connect(address: EngineAddress, engine: str, name: str = "", timeout_s: float | None = None) -> SocketLink:
+    """A link to the engine process at ``address`` serving the registered engine ``engine`` (e.g. ``"hf"``);
+    ``timeout_s`` as for ``EngineProcess.connect``."""
     cls = engine_class(engine)
-    return SocketLink(address, *codecs((*cls.requests, Shutdown), cls.replies), name=name)
+    return SocketLink(address, *codecs((*cls.requests, Shutdown), cls.replies), name=name, timeout_s=timeout_s)
 
 
 class ParticipantServer:

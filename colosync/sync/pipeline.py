@@ -126,7 +126,8 @@ class SlotPipeline:
         """
         self._last_use[stage.slot] = self.chunks
         self.chunks += 1
-        self._publish(stage)  # a transport that moves the bytes itself starts now, while the next chunk is packed
+        if fence is None:  # written (no copy still queued): a transport that moves the bytes starts them now
+            self._publish(stage)
         held = self._held
         held.append((stage, fence, fingerprint))
         if len(held) > 1:
@@ -177,6 +178,7 @@ class SlotPipeline:
         t = time.perf_counter()
         if fence is not None:
             fence.synchronize()
+            self._publish(stage)  # its copy has landed only now
         if fp is not None:
             stage = msgspec.structs.replace(stage, fingerprint=int(fp.item() if isinstance(fp, torch.Tensor) else fp))
         self.timer.add("transfer", t)

@@ -112,18 +112,17 @@ def peft_lora_tensors(peft_model: torch.nn.Module, adapter: str = "default") -> 
 
 
 class Sender:
-    """Pushes updates to one engine through one transport.
+    """Pushes updates through one transport to one engine, or to every engine of an ``EngineSet`` as one.
 
     >>> sender = Sender(link, transport="shm")
     >>> report = sender.push_peft(peft_model)           # LoRA
     >>> report = sender.push(model.named_parameters())  # full weights
 
     ``transport="auto"`` (the default) attaches the first transport in preference order
-    (``colosync.transports.names()``) that works end to end -- the engine really opening its
-    handle is the test -- and logs why it passed over the others (``transport_log``). Attaching
-    makes this Sender the engine's one owner until ``close`` detaches; ``takeover=True`` ends
-    another owner's ownership instead of being refused with ``EngineBusyError``.
-    """
+    (``colosync.transports.names()``) that works end to end -- the engine really opening its handle
+    is the test -- and logs why it passed over the others (``transport_log``). Attaching makes this
+    Sender the engine's one owner until ``close`` detaches; ``takeover=True`` ends another owner's
+    ownership instead of being refused with ``EngineBusyError``."""
 
     def __init__(
         self,
@@ -334,10 +333,13 @@ class Sender:
 
     def _attach(self, device: torch.device, plan: Plan | None) -> BucketStreamer:
         """The attached transport (through its streamer), attaching one on first use or when a set's members changed."""
-        peers: Peers | None = getattr(self.link, "peers", None)  # a set of engines (control.engine_set)
+        peers = _peers_of(self.link)
         if self._streamer is not None and peers == self._peers:
             return self._streamer
+        if self._arena is not None:
+            raise TransportError("this Sender's link now has other engines; its arena lives in the old transport")
         self.close()
+        self._begun = None  # a new member has no Begin to repeat
         link, takeover = self.link, self.takeover
         attached = transports.attach_first(
             self.transport_name,
@@ -348,8 +350,8 @@ class Sender:
         )
         self.transport_log, self._peers, self._transport = attached.log, peers, attached.transport
         self._plans.drop_views()  # views of some earlier transport's slots
-        if self._next_id is None:
-            self._next_id = attached.reply.next_update_id()
+        # (after a close, another sender may have pushed: never reuse an id the engine has seen)
+        self._next_id = max(self._next_id or 0, attached.reply.next_update_id())
         self._streamer = BucketStreamer(attached.transport, self._plans, self.bucket_bytes)
         return self._streamer
 
@@ -359,6 +361,14 @@ class Sender:
         uid = self._next_id if requested is None else requested
         self._next_id = max(self._next_id, uid + 1)
         return uid
+
+
+def _peers_of(link: Link) -> Peers | None:
+    """The receiving processes behind ``link`` when there are several: a set's (``control.engine_set``),
+    or an engine's own workers (a vLLM engine with TP > 1 counts them in ``receivers``)."""
+    peers: Peers | None = getattr(link, "peers", None)
+    receivers = int(getattr(link, "receivers", 1))
+    return peers if peers is not None or receivers == 1 else Peers(receivers)
 
 
 def _first_geometry(plan: Plan | None, bucket_bytes: int, slots: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ _REGISTRY: dict[str, str] = {
     "cuda_ipc": "colosync.transports.cuda_ipc:CudaIpcSender:CudaIpcReceiver",
     "shm": "colosync.transports.shm:ShmSender:ShmReceiver",
     # Separated mode (engines on other hosts): over a torch.distributed group. p2p before broadcast: on gloo it
-    # measured faster (benchmarks/separated) and a dead or slow engine delays no other.
+    # measured faster (benchmarks/separated), and a dead engine fails only its own sends.
     "p2p": "colosync.transports.broadcast:P2pSender:BroadcastReceiver",
     "broadcast": "colosync.transports.broadcast:BroadcastSender:BroadcastReceiver",
 }

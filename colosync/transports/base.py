@@ -108,7 +108,7 @@ class SenderTransport(ABC):
         """The peer has opened the handle (e.g. a name can now be unlinked)."""
 
     def publish(self, stage: Stage) -> None:  # noqa: B027 - optional hook, no-op by default
-        """``stage``'s bytes are written into its slot (queued on the device's current stream, on a GPU).
+        """``stage``'s bytes are in its slot: written, or their copy's fence has passed.
 
         Called as soon as they are, before the Stage goes out (a Sender holds each Stage back until
         the next chunk is written). Shared memory needs nothing; a transport that moves the bytes

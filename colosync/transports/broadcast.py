@@ -58,24 +58,38 @@ class _Group:
     """One rank of a process group, joined on a thread of its own; ``get`` waits for it."""
 
     def __init__(self, store: Any, rank: int, handle: GroupHandle, device: torch.device) -> None:
-        self.store, self.rank, self.handle, self.device = store, rank, handle, device
+        self.store: Any = store
+        self.rank, self.handle, self.device = rank, handle, device
         self._pg: Any = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._join, name=f"colosync-broadcast-join-{rank}", daemon=True)
         self._thread.start()
 
     def _join(self) -> None:
         h, timeout = self.handle, datetime.timedelta(seconds=self.handle.timeout_s)
+        made: list[Any] = []  # the group, held in a list so that no local name keeps it alive
         try:
             if h.backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 with torch.cuda.device(self.device):
-                    self._pg = dist.ProcessGroupNCCL(self.store, self.rank, h.world_size, options)
+                    made.append(dist.ProcessGroupNCCL(self.store, self.rank, h.world_size, options))
+                    # NCCL connects lazily; connect now, so a rank that never comes is GroupJoinError here
+                    # rather than a hang in the first send
+                    made[0].eager_connect_single_device(self.device)
             else:
-                self._pg = dist.ProcessGroupGloo(self.store, self.rank, h.world_size, timeout)
+                made.append(dist.ProcessGroupGloo(self.store, self.rank, h.world_size, timeout))
         except BaseException as exc:  # reported by ``get``, where a caller can act on it
             self._error = exc
+            _leave(made)
+            return
+        with self._lock:
+            if not self._closed:
+                self._pg = made.pop()
+                return
+        _leave(made)  # closed while it was joining: nobody will use it
 
     def get(self) -> Any:
         """The joined process group; ``GroupJoinError`` if some rank did not join in time."""
@@ -83,6 +97,8 @@ class _Group:
         self._thread.join(h.timeout_s + 5.0)
         if self._pg is not None:
             return self._pg
+        if self._closed:
+            raise TransportError("this broadcast group was closed (its update was aborted); push again")
         try:
             opened = str(int(self.store.add(_RANKS, 0)) + 1)  # the sender and every receiver that took a rank
             missing = str(list(range(int(opened), h.world_size)))
@@ -90,9 +106,10 @@ class _Group:
             opened = missing = "unknown"
         why = f"{type(self._error).__name__}: {self._error}" if self._error else "still joining"
         raise GroupJoinError(
-            f"the broadcast group at {h.host}:{h.port} did not form within {h.timeout_s:g} s: {opened} of its "
+            f"the group at {h.host}:{h.port} did not form within {h.timeout_s:g} s: {opened} of its "
             f"{h.world_size} ranks opened the handle (missing ranks: {missing}); this is rank {self.rank}. Every "
-            f"engine process of the set must receive the Attach and reach {h.host}:{h.port} ({why})"
+            f"engine process of the set must receive the Attach, reach {h.host}:{h.port}, and reach every other "
+            f"rank (gloo: set GLOO_SOCKET_IFNAME to the interface they share) ({why})"
         ) from self._error
 
     def send(self, tensor: torch.Tensor) -> list[Any]:
@@ -115,18 +132,21 @@ class _Group:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def close(self) -> None:
-        """Leave the group without waiting for a broadcast a gone peer will never finish."""
-        pg, self._pg = self._pg, None
-        if pg is None:
-            return
+        """Leave the group, now or once it has joined, without waiting for work a gone peer will never finish."""
+        with self._lock:
+            self._closed = True
+            doomed, self._pg = [self._pg] if self._pg is not None else [], None
+        _leave(doomed)
+        self.store = None  # the sender's store closes its port with its last reference
+
+
+def _leave(doomed: list[Any]) -> None:
+    """Abort the group in ``doomed`` (its pending work fails on every rank at once) and destroy it off this
+    thread, since destroying a group waits for its pending work; the list holds the last reference."""
+    if doomed:
         with contextlib.suppress(Exception):
-            pg.abort()
-        # Destroying a group waits for its pending work to time out: do it off this thread.
-        threading.Thread(target=_drop, args=(pg,), name="colosync-broadcast-close", daemon=True).start()
-
-
-def _drop(pg: Any) -> None:
-    del pg
+            doomed[0].abort()
+    threading.Thread(target=doomed.clear, name="colosync-broadcast-close", daemon=True).start()
 
 
 def _from_rank_0() -> Any:
@@ -157,15 +177,14 @@ class BroadcastSender(SenderTransport):
     def available(cls, device: torch.device) -> tuple[bool, str]:
         if not dist.is_available():
             return False, "this torch has no torch.distributed"
+        how = "one collective to every engine" if cls.mode == "broadcast" else "a send to each engine"
         if device.type == "cuda":
             if not dist.is_nccl_available():
                 return False, "this torch has no NCCL"
-            if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
-                return False, "NCCL needs the trainer and every engine on a GPU of its own; this machine has one"
-            return True, "NCCL broadcast (the trainer and every engine each on a GPU of its own)"
+            return True, f"NCCL, {how} (each engine on a GPU of its own, not this process's)"
         if not dist.is_gloo_available():
             return False, "this torch has no gloo"
-        return True, "gloo broadcast from host memory (engines on any host that reaches this one)"
+        return True, f"gloo from host memory, {how} (engines on any host that reaches this one)"
 
     @classmethod
     def create(cls, slot_bytes: int, slots: int, device: torch.device, peers: Peers | None = None) -> BroadcastSender:
@@ -176,8 +195,8 @@ class BroadcastSender(SenderTransport):
         self._device = device
         self._buffers = _slots(slots, slot_bytes, device)
         timeout = datetime.timedelta(seconds=peers.join_timeout_s)
-        # The master listens on every interface; receivers reach it at ``peers.host``.
-        self._store = dist.TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
+        # Receivers reach the store at ``peers.host``. Nothing authenticates a rank: keep the port on a trusted network.
+        self._store: Any = dist.TCPStore(peers.host, 0, None, True, timeout, wait_for_workers=False)
         self._handle = GroupHandle(
             host=peers.host,
             port=int(self._store.port),
@@ -216,18 +235,14 @@ class BroadcastSender(SenderTransport):
     def close(self) -> None:
         self._work = [[] for _ in range(self._slots)]
         self._group.close()
+        self._store = None
 
 
 class P2pSender(BroadcastSender):
-    """Every slot to each receiver by a ``send`` of its own: a receiver that dies or stalls delays no other."""
+    """Every slot to each receiver by a ``send`` of its own: a dead receiver fails only its own sends."""
 
     name = "p2p"
     mode: Mode = "p2p"
-
-    @classmethod
-    def available(cls, device: torch.device) -> tuple[bool, str]:
-        ok, why = super().available(device)
-        return ok, why.replace("broadcast", "send to each engine") if ok else why
 
 
 class BroadcastReceiver(ReceiverTransport):

@@ -20,7 +20,15 @@ from colosync.control.engine_set import EngineSet
 from colosync.engines.config import EngineConfig, Generate
 from colosync.engines.process import EngineProcess
 from colosync.engines.store import Fetch
-from colosync.errors import ConfigError, DeliveryError, EngineBusyError, EngineSetError, GroupJoinError
+from colosync.errors import (
+    ColosyncError,
+    ConfigError,
+    DeliveryError,
+    EngineBusyError,
+    EngineSetError,
+    GroupJoinError,
+    TransactionStateError,
+)
 from colosync.sync.sender import Sender
 from colosync.testing import fill_lora, random_lora
 from colosync.wire.manifest import dtype_from_name
@@ -107,9 +115,12 @@ def test_every_engine_commits_the_same_bytes(stores, transport):
     ]
     engine_set = EngineSet({n: e.connect(f"bytes-{n}") for n, e in stores.items()}, join_timeout_s=JOIN_S)
     with Sender(engine_set, transport=transport, bucket_bytes=256 << 10) as sender:
+        first = None
         for round_ in range(2):  # the group is formed once and reused
             named = [(n, t + round_ if t.is_floating_point() else t) for n, t in named]
             report = sender.push(named)
+            first = first or sender.transport
+            assert sender.transport is first
             assert report.transport == transport
             assert [o.engine for o in report.engines] == ["a", "b", "c"]
             assert all(o.committed_update_id == report.update_id and not o.error for o in report.engines)
@@ -123,7 +134,7 @@ def test_every_engine_commits_the_same_bytes(stores, transport):
 
 
 def test_engines_with_different_histories_meet_at_the_next_id(stores):
-    with Sender(stores["a"].connect("ahead"), transport="shm") as ahead:
+    with Sender(stores["c"].connect("ahead"), transport="shm") as ahead:  # the last member: no first-reply shortcut
         for _ in range(3):
             last = ahead.push([("x", torch.ones(4))]).update_id
     engine_set = EngineSet({n: e.connect(f"meet-{n}") for n, e in stores.items()}, join_timeout_s=JOIN_S)
@@ -178,6 +189,54 @@ def test_a_probe_that_fails_everywhere_rolls_every_engine_back(trio):
     engine_set.close()
 
 
+def test_a_probe_that_fails_on_one_engine_is_reverted_on_all(trio):
+    """Engine c serves other base weights (a full update only it got), so the trainer's probe fails there
+    for real; the engines where it passed revert, and no engine serves the adapter."""
+    from colosync.decoding import load_model
+
+    with Sender(trio.engines["c"].connect("odd-one"), transport="shm", bucket_bytes=BUCKET_BYTES) as odd:
+        odd.push(trio.updates["new"])
+    engine_set = trio.set()
+    try:
+        with Sender(engine_set, transport="p2p", bucket_bytes=BUCKET_BYTES) as sender:
+            trainer = random_lora(load_model(trio.model_dir), rank=8, seed=12)
+            with pytest.raises(
+                DeliveryError, match=r"failed verification on engine c .* reverted on a, b too"
+            ) as raised:
+                sender.push_peft(trainer, verify=Probe.from_model(trainer, PROMPTS, max_new_tokens=4))
+            assert {o.engine: o.serving for o in raised.value.outcomes} == {"a": True, "b": True, "c": True}
+            trio.healthy("ab", "base")
+            trio.healthy("c", "new")
+            sender.push(trio.updates["base"])
+            trio.healthy("abc", "base")
+    finally:
+        engine_set.close()
+
+
+def test_an_engine_that_refuses_the_update_does_not_hold_the_others(trio, tiny_model_dir):
+    """A live engine that refuses the Begin (its LoRA slots are rank 4) never receives the stream; over
+    ``p2p`` the others got their bytes regardless, and take the Abort at once, not after the group's
+    timeout (30 s here). (Over gloo's ``broadcast`` tree they would wait out that timeout: see the docs.)"""
+    from colosync.decoding import load_model
+
+    small = EngineProcess(EngineConfig(engine="hf", model_dir=str(tiny_model_dir), max_lora_rank=4))
+    engine_set = EngineSet(
+        {"a": trio.engines["a"].connect("r-a"), "b": trio.engines["b"].connect("r-b"), "small": small.connect()},
+        join_timeout_s=30.0,
+    )
+    try:
+        with Sender(engine_set, transport="p2p", bucket_bytes=4 << 10) as sender:
+            trainer = random_lora(load_model(trio.model_dir), rank=8, seed=13)
+            start = time.monotonic()
+            with pytest.raises(ColosyncError, match="engine small"):
+                sender.push_peft(trainer)
+            assert time.monotonic() - start < 15, "the others waited out the group's timeout"
+        trio.healthy("ab", "base")
+    finally:
+        engine_set.close()
+        small.close()
+
+
 # -- an engine dies ----------------------------------------------------------------------------
 class KillEngineAt:
     """The link to one engine of a set; SIGKILLs that engine's process at ``point`` (a real death).
@@ -224,7 +283,7 @@ def test_an_engine_killed_at_each_phase_leaves_the_others_on_one_version(trio, t
     engine_set.add("c", KillEngineAt(trio.engines["c"].connect("set-c"), trio.engines["c"], point))
     sender = Sender(engine_set, transport=transport, bucket_bytes=BUCKET_BYTES)
     try:
-        with pytest.raises((EngineSetError, Exception)) as raised:
+        with pytest.raises(ColosyncError, match="engine c") as raised:
             sender.push(trio.updates["new"])
         assert not trio.engines["c"].is_alive()
         if point in ("stage", "prepare"):  # c never voted, so no engine was asked to commit
@@ -238,9 +297,10 @@ def test_an_engine_killed_at_each_phase_leaves_the_others_on_one_version(trio, t
         engine_set.remove("c")  # the next push reaches the survivors, under a new group
         sender.push(trio.updates["third"])
         trio.healthy("ab", "third")
-        trio.restart("c")  # and a restarted engine joins again
+        trio.restart("c")  # and a restarted engine joins again, on the first try (a stream is never retried)
         engine_set.add("c", trio.engines["c"].connect("set-c"))
-        report = sender.push(trio.updates["base"])
+        base = trio.updates["base"]
+        report = sender.push_stream([(n, t.shape, t.dtype) for n, t in base], iter(base))
         assert [o.committed_update_id for o in report.engines] == [report.update_id] * 3
         trio.healthy("abc", "base")
     finally:
@@ -248,6 +308,51 @@ def test_an_engine_killed_at_each_phase_leaves_the_others_on_one_version(trio, t
         engine_set.close()
         if not trio.engines["c"].is_alive():
             trio.restart("c")
+
+
+@pytest.mark.parametrize("transport", GROUPS)
+def test_a_stalled_engine_is_cut_off_and_the_others_keep_their_version(trio, transport):
+    """Engine c stops (SIGSTOP) mid-stream; its link's reply timeout names it, and nobody commits."""
+    stalled = trio.engines["c"]
+    engine_set = trio.set("ab")
+    engine_set.add("c", StopEngineAt(stalled.connect("set-c", timeout_s=JOIN_S), stalled))
+    start = time.monotonic()
+    try:
+        with Sender(engine_set, transport=transport, bucket_bytes=BUCKET_BYTES) as sender:
+            with pytest.raises(ColosyncError, match="engine c"):
+                sender.push(trio.updates["new"])
+            assert time.monotonic() - start < 6 * JOIN_S + 10, "a stalled engine must not hold the push"
+            trio.healthy("ab", "base")
+            os.kill(stalled.pid, signal.SIGCONT)
+            engine_set.remove("c")
+            sender.push(trio.updates["third"])
+            trio.healthy("ab", "third")
+            trio.healthy("c", "base")  # it saw its connection end and dropped the update it had begun
+            sender.push(trio.updates["base"])
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+        engine_set.close()
+
+
+class StopEngineAt:
+    """The link to one engine of a set; SIGSTOPs that engine's process before its third Stage (a real stall)."""
+
+    def __init__(self, inner, engine: EngineProcess) -> None:
+        self.inner, self.engine = inner, engine
+        self.stages = 0
+
+    def submit(self, request):
+        if isinstance(request, Stage):
+            self.stages += 1
+            if self.stages == 3:
+                os.kill(self.engine.pid, signal.SIGSTOP)
+        return self.inner.submit(request)
+
+    def submit_batch(self, requests):
+        return self.inner.submit_batch(requests)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class ClaimsTwoWorkers:
@@ -314,7 +419,7 @@ def test_members_are_named_and_checked(stores):
 
 def test_a_commit_without_every_vote_goes_nowhere(stores):
     engine_set = EngineSet({n: e.connect() for n, e in stores.items()})
-    with pytest.raises(Exception, match="without a Prepare to every engine"):
+    with pytest.raises(TransactionStateError, match="without a Prepare of it to every engine"):
         engine_set.submit(Commit(99)).wait()
     assert {e.call(Status()).committed_update_id for e in stores.values()} != {99}
     engine_set.close()

@@ -48,9 +48,12 @@ def engine(request):
 @pytest.fixture(params=transports.names())
 def transport(request, engine):
     eng, device = engine
-    ok, why = transports.sender_class(request.param).available(torch.device(device))
+    cls = transports.sender_class(request.param)
+    ok, why = cls.available(torch.device(device))
     if not ok:
         pytest.skip(f"{request.param} unavailable here: {why}")
+    if not cls.colocated and device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"{request.param} over NCCL needs the engine on a GPU of its own; this machine has one")
     return request.param
 
 
