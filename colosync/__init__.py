@@ -11,6 +11,7 @@ Engines, Ray, Megatron and PEFT are imported only where they are used.
 from colosync.control.engine_set import EngineSet
 from colosync.control.link import LocalLink
 from colosync.errors import (
+    AdapterSlotsError,
     ColosyncError,
     ConfigError,
     DeliveryError,
@@ -50,6 +51,7 @@ __version__ = "0.4.0"
 __all__ = [
     "WORKLOADS_DIR",
     "AdapterPolicy",
+    "AdapterSlotsError",
     "ColosyncError",
     "ConfigError",
     "DeliveryError",

@@ -149,6 +149,14 @@ class EngineBusyError(UpdateRejected):
     """
 
 
+class AdapterSlotsError(UpdateRejected):
+    """An engine's adapter slots are all held by other adapters; the message names them and their versions.
+
+    Fix: Drop an adapter the job no longer needs (``Sender.drop_adapter()`` on its connection), or start the
+    engine with more slots (``EngineConfig(max_loras=N)``).
+    """
+
+
 class TransportError(ColosyncError):
     """A transport could not be created, attached or used.
 

@@ -362,7 +362,13 @@ class SocketLink:
     """
 
     def __init__(
-        self, address: EngineAddress, codec: Codec, reply_codec: Codec, name: str = "", timeout_s: float | None = None
+        self,
+        address: EngineAddress,
+        codec: Codec,
+        reply_codec: Codec,
+        name: str = "",
+        timeout_s: float | None = None,
+        adapter: str = "",
     ) -> None:
         self._codec, self._reply_codec = codec, reply_codec
         self._waiting: deque[_Pending] = deque()
@@ -379,7 +385,7 @@ class SocketLink:
             self._sock.settimeout(timeout_s)
         except (OSError, EOFError) as exc:
             raise EngineError(f"cannot reach the engine at {address.path}: {exc}; is it running?") from exc
-        self.call(Hello(pid=os.getpid(), host=socket.gethostname(), name=name))
+        self.call(Hello(pid=os.getpid(), host=socket.gethostname(), name=name, adapter=adapter))
 
     def submit(self, request: msgspec.Struct) -> _Pending:
         data = frame(self._codec.encode(request))

@@ -21,6 +21,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     model_dir: str = ""
     device: str = "cpu"
     max_lora_rank: int = 64
+    max_loras: int = 1  # adapters served at once: the default one and named ones (``Hello.adapter``)
     reject_nonfinite: bool = True
     verify_fingerprints: bool = True
     timeout_s: float = 60.0
@@ -34,12 +35,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
-    """Continue each prompt: greedy at temperature 0, else sampled from ``seed``."""
+    """Continue each prompt: greedy at temperature 0, else sampled from ``seed``; with ``adapter``'s
+    committed version ("": the default)."""
 
     prompts: list[list[int]]
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or not all(self.prompts):
@@ -47,7 +50,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
 
 
 class Generation(msgspec.Struct, tag="generation", frozen=True):
-    update_id: int  # the committed version that produced these tokens
+    update_id: int  # the committed version (of the adapter asked for) that produced these tokens
     tokens: list[list[int]]
     logprobs: list[list[float]]
 
@@ -57,6 +60,7 @@ class Score(msgspec.Struct, tag="score", frozen=True):
 
     prompts: list[list[int]]
     completions: list[list[int]]
+    adapter: str = ""
 
 
 class Scores(msgspec.Struct, tag="scores", frozen=True):

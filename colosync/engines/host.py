@@ -19,7 +19,7 @@ import torch
 
 from colosync.control.door import Door
 from colosync.engines.config import EngineConfig, Score, Scores
-from colosync.errors import EngineError, ManifestError
+from colosync.errors import ConfigError, EngineError, ManifestError
 from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget, ReceiverPolicy
 from colosync.sync.transaction import Applies, EngineTransaction, Session
@@ -97,15 +97,28 @@ class EngineHost:
         transaction: EngineTransaction | Applies,
         engine: ServedEngine | None = None,
         handlers: dict[type, Handler] | None = None,
+        policy: ReceiverPolicy | None = None,
     ) -> None:
         self.transaction = transaction if isinstance(transaction, EngineTransaction) else EngineTransaction(transaction)
         self.engine = engine
         self.handlers = dict(handlers or {})
+        self.policy = policy
         requests = (Hello, *(engine.requests if engine else ()), *self.handlers)
         self.door = Door(requests, engine.replies if engine else (), status=self.transaction.status_quietly)
         self.open_session = self.transaction.open_session
-        self.close_session = self.transaction.close_session
-        self.tick = self.transaction.tick
+        # Named adapters (``Hello.adapter``): each its own transaction, made on first use; "" is the default.
+        self.lanes: dict[str, EngineTransaction] = {"": self.transaction}
+        self._bound: dict[int, tuple[EngineTransaction, Session]] = {}  # session id -> its lane, its session there
+
+    def close_session(self, session: Session, reason: str) -> None:
+        bound = self._bound.pop(session.id, None)
+        if bound is not None:
+            bound[0].close_session(bound[1], reason)
+        self.transaction.close_session(session, reason)
+
+    def tick(self) -> None:
+        for lane in list(self.lanes.values()):
+            lane.tick()
 
     @property
     def serving(self) -> bool:
@@ -126,18 +139,40 @@ class EngineHost:
             if not session.peer_pid:  # the socket's peer credentials beat what a client says of itself
                 session.pid, session.host = request.pid, request.host
             session.name = request.name
+            if request.adapter:
+                return self._bind(session, request.adapter).status()
             return self.transaction.status()
         handler = self.handlers.get(type(request))
         if handler is not None:
             return handler(request, session)
         if isinstance(request, TransactionRequest):  # the union of the transaction messages
-            return self.transaction.handle(request, session)
+            lane, lane_session = self._bound.get(session.id, (self.transaction, session))
+            return lane.handle(request, lane_session)
         if self.engine is None:
             raise ManifestError(f"this host serves transaction messages only, not {type(request).__name__}")
         self.transaction.refuse_unless_serving(type(request).__name__)
         return self.engine.handle(request)
 
+    def _bind(self, session: Session, adapter: str) -> EngineTransaction:
+        """The transaction of the named adapter ``adapter`` (made now if new), with a session of ``session`` there."""
+        lane = self.lanes.get(adapter)
+        if lane is None:
+            make = getattr(self.engine, "lane", None)
+            if make is None:
+                raise ConfigError(
+                    f"this engine serves one adapter, so a connection cannot name adapter {adapter!r}: connect "
+                    "without adapter=, or use an engine that serves several (hf with EngineConfig(max_loras=N))"
+                )
+            lane = self.lanes[adapter] = make(adapter).transaction(self.policy)
+        there = lane.open_session()
+        there.pid, there.host, there.name, there.peer_pid = session.pid, session.host, session.name, session.peer_pid
+        self._bound[session.id] = (lane, there)
+        return lane
+
     def close(self) -> None:
+        for lane in self.lanes.values():
+            if lane is not self.transaction:
+                lane.close()
         self.transaction.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
@@ -149,7 +184,7 @@ def build_host(config: EngineConfig, handlers: dict[type, Handler] | None = None
     from colosync.control.registry import engine_class
 
     engine: ServedEngine = engine_class(config.engine).from_config(config)
-    return EngineHost(engine.transaction(config.policy()), engine, handlers)
+    return EngineHost(engine.transaction(config.policy()), engine, handlers, config.policy())
 
 
 __all__ = ["EngineHost", "HostedTarget", "ScoredByEngine", "ServedEngine", "build_host"]

@@ -243,12 +243,13 @@ class EngineProcess:
         self.address = msgspec.msgpack.decode(first, type=EngineAddress)
         self.link = self.connect()
 
-    def connect(self, name: str = "", timeout_s: float | None = None) -> SocketLink:
+    def connect(self, name: str = "", timeout_s: float | None = None, adapter: str = "") -> SocketLink:
         """A new connection to this engine (one per thread or process that talks to it).
 
         ``timeout_s``: how long a reply may take before the engine counts as stalled (the
-        connection then closes and the wait raises ``EngineError``); ``None`` waits for as long as it takes."""
-        return connect(self.address, self.config.engine, name, timeout_s)
+        connection then closes and the wait raises ``EngineError``); ``None`` waits for as long as it takes.
+        ``adapter``: a named adapter this connection's Sender updates (an engine with ``max_loras > 1``)."""
+        return connect(self.address, self.config.engine, name, timeout_s, adapter)
 
     def call(self, request: msgspec.Struct) -> Any:
         return self.link.call(request)
@@ -304,11 +305,14 @@ def _stop(process: BaseProcess, timeout_s: float = 10.0) -> None:
         process.join(timeout_s)
 
 
-def connect(address: EngineAddress, engine: str, name: str = "", timeout_s: float | None = None) -> SocketLink:
+def connect(
+    address: EngineAddress, engine: str, name: str = "", timeout_s: float | None = None, adapter: str = ""
+) -> SocketLink:
     """A link to the engine process at ``address`` serving the registered engine ``engine`` (e.g. ``"hf"``);
-    ``timeout_s`` as for ``EngineProcess.connect``."""
+    ``timeout_s`` and ``adapter`` as for ``EngineProcess.connect``."""
     cls = engine_class(engine)
-    return SocketLink(address, *codecs((*cls.requests, Shutdown), cls.replies), name=name, timeout_s=timeout_s)
+    codec, reply_codec = codecs((*cls.requests, Shutdown), cls.replies)
+    return SocketLink(address, codec, reply_codec, name=name, timeout_s=timeout_s, adapter=adapter)
 
 
 class ParticipantServer:

@@ -28,11 +28,16 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """Who a client is, sent once per connection: its process (so the engine can tell when it dies)."""
+    """Who a client is, sent once per connection: its process (so the engine can tell when it dies).
+
+    ``adapter``: the named adapter this connection's updates are for, each its own transaction
+    (own versions, owner, verification and rollback) on an engine that serves several; ``""``
+    is the engine's default: full weights and its one adapter."""
 
     pid: Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
     host: Text = ""
     name: Text = ""
+    adapter: Text = ""
 
 
 class Attach(msgspec.Struct, tag="attach", frozen=True):

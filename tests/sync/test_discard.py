@@ -87,5 +87,5 @@ def test_the_hf_engine_keeps_no_adapter_of_an_update_aborted_after_prepare(tiny_
         assert f"u{uid}" in engine._peft.peft_config  # prepared beside the served adapter
         link.submit(Abort(uid, "trainer gave up")).wait()
     assert f"u{uid}" not in engine._peft.peft_config
-    assert engine._served_adapter == f"u{served.update_id}"
+    assert engine._lanes[""].served == f"u{served.update_id}"
     receiver.close()
