@@ -166,6 +166,9 @@ class EngineHost:
             lane = self.lanes[adapter] = make(adapter).transaction(self.policy)
         there = lane.open_session()
         there.pid, there.host, there.name, there.peer_pid = session.pid, session.host, session.name, session.peer_pid
+        before = self._bound.get(session.id)
+        if before is not None:  # a second Hello: the connection leaves the adapter it named first
+            before[0].close_session(before[1], f"the connection named adapter {adapter!r} instead")
         self._bound[session.id] = (lane, there)
         return lane
 

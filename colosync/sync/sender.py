@@ -364,11 +364,9 @@ class Sender:
 
 
 def _peers_of(link: Link) -> Peers | None:
-    """The receiving processes behind ``link`` when there are several: a set's (``control.engine_set``),
-    or an engine's own workers (a vLLM engine with TP > 1 counts them in ``receivers``)."""
+    """The receiving processes behind ``link`` when it is a set of engines (``control.engine_set``)."""
     peers: Peers | None = getattr(link, "peers", None)
-    receivers = int(getattr(link, "receivers", 1))
-    return peers if peers is not None or receivers == 1 else Peers(receivers)
+    return peers
 
 
 def _first_geometry(plan: Plan | None, bucket_bytes: int, slots: int) -> tuple[int, int]:

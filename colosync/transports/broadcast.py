@@ -24,7 +24,7 @@ import datetime
 import logging
 import socket
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -42,16 +42,17 @@ _RANKS = "colosync/ranks"  # the store's counter of ranks handed out (the sender
 
 
 class GroupHandle(msgspec.Struct, frozen=True):
-    """Where the group's store listens, how big the group is, and the slots every rank keeps."""
+    """Where the group's store listens, how big the group is, and the slots every rank keeps (each bounded:
+    a handle comes from another process)."""
 
-    host: str
-    port: int
-    world_size: int
+    host: Annotated[str, msgspec.Meta(max_length=255)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=1 << 16)]
     backend: Backend
     mode: Mode
-    slot_bytes: int
-    slots: int
-    timeout_s: float
+    slot_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+    slots: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
 
 
 class _Group:

@@ -63,17 +63,3 @@ def test_lora_and_full_updates_reach_vllm_and_hf_alike(
     finally:
         sender.close()
         engines.close()
-
-
-def test_one_vllm_engine_alone_receives_over_the_group_on_every_worker(
-    vllm_llm, vllm_engine, vllm_sender, vllm_model_dir
-):
-    """No set: the Sender counts the engine's workers itself (``receivers``), one rank each."""
-    vllm_sender.close()
-    with Sender(vllm_engine.link, transport="p2p", bucket_bytes=32 << 10) as sender:
-        trainer = adapter(vllm_model_dir, rank=8, seed=303)
-        sender.push_peft(trainer)
-        ref_tokens, ref_logprobs = greedy(trainer, PROMPTS, NEW)
-        _, tokens, logprobs = vllm_generate(vllm_llm, PROMPTS, vllm_engine.lora_request)
-        assert_parity(tokens, logprobs, ref_tokens, ref_logprobs)
-        sender.push(load_model(vllm_model_dir).named_parameters())  # the base again
