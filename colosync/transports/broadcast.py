@@ -65,7 +65,11 @@ class _Group:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._join, name=f"colosync-broadcast-join-{rank}", daemon=True)
+        # Not a daemon: a thread inside torch's group constructor cannot be stopped, and one that
+        # returns while the interpreter is shutting down aborts the process ("terminate called
+        # without an active exception"). So the process's exit waits for a group still forming, at
+        # most its join timeout.
+        self._thread = threading.Thread(target=self._join, name=f"colosync-broadcast-join-{rank}", daemon=False)
         self._thread.start()
 
     def _join(self) -> None:
@@ -147,7 +151,8 @@ def _leave(doomed: list[Any]) -> None:
     if doomed:
         with contextlib.suppress(Exception):
             doomed[0].abort()
-    threading.Thread(target=doomed.clear, name="colosync-broadcast-close", daemon=True).start()
+    # not a daemon, for the same reason as the join thread: the destructor runs inside torch
+    threading.Thread(target=doomed.clear, name="colosync-broadcast-close", daemon=False).start()
 
 
 def _from_rank_0() -> Any:
