@@ -82,11 +82,13 @@ class HostLease:
 
     def write(self, offset: int, src: torch.Tensor) -> None:
         """Copy the 1-D ``uint8`` tensor ``src`` (any device) to ``[offset, offset+len)``."""
-        _copy_pieces(src.device, [(piece, src[a:b]) for piece, a, b in self.pieces(offset, src.numel())])
+        for piece, a, b in self.pieces(offset, src.numel()):
+            piece.copy_(src[a:b], non_blocking=True)
 
     def read(self, offset: int, dst: torch.Tensor) -> None:
         """Copy ``[offset, offset+len)`` into the 1-D ``uint8`` tensor ``dst`` (any device)."""
-        _copy_pieces(dst.device, [(dst[a:b], piece) for piece, a, b in self.pieces(offset, dst.numel())])
+        for piece, a, b in self.pieces(offset, dst.numel()):
+            dst[a:b].copy_(piece, non_blocking=True)
 
     def release(self) -> None:
         """Give the chunks back to the pool (they stay allocated for the next lease)."""
@@ -262,35 +264,6 @@ class HostPool:
             f"HostPool({self.name!r}, capacity={self.capacity_bytes / 1e9:.2f} GB, "
             f"leased={self.leased_bytes / 1e9:.2f} GB, pin={self.pin})"
         )
-
-
-COPY_STREAMS = 2
-"""Streams a copy of several chunks is spread over (each its own copy engine)."""
-_streams: dict[int, list[torch.cuda.Stream]] = {}
-
-
-def _copy_pieces(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for each ``(dst, src)``, ordered after the current stream's work and
-    before its next: on a CUDA device the pieces alternate between ``COPY_STREAMS`` streams, so
-    the copies of one lease are spread over several copy engines instead of queuing on one
-    (right after a large free, the driver's clearing of the freed memory shares them)."""
-    if device.type != "cuda" or len(pairs) < 2 or COPY_STREAMS < 2:
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _streams.get(index)
-    if streams is None:
-        streams = _streams[index] = [torch.cuda.Stream(device=index) for _ in range(COPY_STREAMS)]
-    current = torch.cuda.current_stream(index)
-    for stream in streams:
-        stream.wait_stream(current)
-    for i, (dst, src) in enumerate(pairs):
-        with torch.cuda.stream(streams[i % len(streams)]):
-            dst.copy_(src, non_blocking=True)
-    # the current stream waits for every piece: what it runs next (a free, a sync) comes after
-    for stream in streams:
-        current.wait_stream(stream)
 
 
 def _unregister(ptr: int) -> None:
