@@ -52,14 +52,10 @@ def main() -> None:
     ap.add_argument("--grad-gb", type=float, default=16.0)
     ap.add_argument("--engine-gb", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--segments", type=int, default=8)
     ap.add_argument("--out", default="wake-probe.json")
     args = ap.parse_args()
 
-    from colosync.handoff.backends import host_pool
     from colosync.handoff.backends.arena import HostArena
-
-    default_streams = host_pool.COPY_STREAMS
 
     dev = torch.device("cuda", 0)
     torch.empty(1, device=dev)
@@ -85,8 +81,21 @@ def main() -> None:
     def sync() -> None:
         torch.cuda.synchronize(dev)
 
-    def copy_into(flat: torch.Tensor, start: int = 0, length: int | None = None) -> None:
-        lease.read(start, flat[: S - start if length is None else length])
+    copy_streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    spread = [False]  # the lease's chunks alternated between two streams instead of one
+
+    def copy_into(flat: torch.Tensor) -> None:
+        if not spread[0]:
+            lease.read(0, flat[:S])
+            return
+        current = torch.cuda.current_stream(dev)
+        for s in copy_streams:
+            s.wait_stream(current)
+        for i, (piece, a, b) in enumerate(lease.pieces(0, S)):
+            with torch.cuda.stream(copy_streams[i % 2]):
+                flat[a:b].copy_(piece, non_blocking=True)
+        for s in copy_streams:
+            current.wait_stream(s)
 
     def record(name: str, **pieces: float) -> None:
         slot = results.setdefault(name, {})
@@ -111,7 +120,7 @@ def main() -> None:
 
     # -- variants --------------------------------------------------------------------------
     def current() -> dict[str, float]:
-        """What TensorStash does today: alloc state, copy, sync; alloc grads, zero, sync."""
+        """What TensorStash.restore does: alloc state, copy, sync; alloc grads, zero, sync."""
         t0 = time.perf_counter()
         flat = torch.empty(S, dtype=torch.uint8, device=dev)
         t1 = time.perf_counter()
@@ -143,11 +152,22 @@ def main() -> None:
         return dict(total_s=t3 - t0, alloc_s=t1 - t0, copy_s=t2 - t1, zero_s=t3 - t2)
 
     def copy_only() -> dict[str, float]:
-        """The floor: the copies alone into memory that exists (allocated outside the timing)."""
+        """The copies alone, into memory allocated outside the timing (still right after the
+        previous variant's buffers were freed)."""
         flat = torch.empty(S, dtype=torch.uint8, device=dev)
         sync()
         t0 = time.perf_counter()
         copy_into(flat)
+        sync()
+        t1 = time.perf_counter()
+        del flat
+        return dict(total_s=t1 - t0, gbps=S / (t1 - t0) / GB)
+
+    def to_host() -> dict[str, float]:
+        """The other direction (an engine's offload_weights): device to the arena, fresh memory."""
+        flat = torch.empty(S, dtype=torch.uint8, device=dev)
+        t0 = time.perf_counter()
+        lease.write(0, flat[:S])
         sync()
         t1 = time.perf_counter()
         del flat
@@ -175,11 +195,11 @@ def main() -> None:
 
     def streams(n: int, fn: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
-            host_pool.COPY_STREAMS = n
+            spread[0] = n == 2
             try:
                 return fn()
             finally:
-                host_pool.COPY_STREAMS = default_streams
+                spread[0] = False
 
         return run
 
@@ -197,6 +217,8 @@ def main() -> None:
         ("current(engine frees a quarter)", one(current), True, quarter),
         ("prealloc", one(prealloc), True, E),
         ("prealloc(2 streams)", two(prealloc), True, E),
+        ("to_host(no engine free)", to_host, False, E),
+        ("to_host", to_host, True, E),
     ]
     for _name, fn, after_free, size in variants:  # one warm-up each
         fresh(after_free, size)
@@ -206,23 +228,26 @@ def main() -> None:
         for name, fn, after_free, size in variants:
             fresh(after_free, size)
             record(name, **fn())
-    # the delay hypothesis: the allocator waits for the engine's free to settle
+    # how the cost fades with the time between the engine's free and the wake-up
     for _ in range(args.repeats):
-        for name, fn in (
-            ("current(1 s after engine free)", one(current)),
-            ("current(2 streams, 1 s after)", two(current)),
-        ):
-            fresh(True)
-            time.sleep(1.0)
-            record(name, **fn())
+        for delay in (0.25, 0.5, 1.0):
+            for label, fn in (("", one(current)), (", 2 streams", two(current))):
+                if label and delay != 1.0:
+                    continue
+                fresh(True)
+                time.sleep(delay)
+                record(f"current({delay:g} s after engine free{label})", **fn())
     engine("exit")
     proc.join(10)
     lease.release()
     arena.close()
 
     medians = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in results.items()}
-    floor = S / medians["copy_only(1 stream)"]["gbps"] / GB
-    print(f"state {S / GB:.2f} GB, grads {G / GB:.2f} GB, engine block {E / GB:.0f} GB; copy floor {floor:.3f} s")
+    floor = medians["current(1 s after engine free)"]["copy_s"]
+    print(
+        f"state {S / GB:.2f} GB, grads {G / GB:.2f} GB, engine block {E / GB:.0f} GB; "
+        f"the state's copy 1 s after a free {floor:.3f} s ({S / floor / GB:.1f} GB/s)"
+    )
     for n, d in medians.items():
         rate = f"  {S / d['total_s'] / GB:5.1f} GB/s of state" if "total_s" in d else ""
         print(f"{n:34s} " + " ".join(f"{k}={v:.4f}" for k, v in d.items()) + rate)
