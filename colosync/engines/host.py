@@ -24,7 +24,7 @@ from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget, ReceiverPolicy
 from colosync.sync.transaction import Applies, EngineTransaction, Session
 from colosync.sync.transaction import Scores as ProbeScores
-from colosync.wire.protocol import Ack, Hello, Probe, TransactionRequest
+from colosync.wire.protocol import Ack, Commit, Hello, Probe, Revert, TransactionRequest
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ScoredByEngine:
     def __init__(self, handle: Callable[[Score], msgspec.Struct]) -> None:
         self.handle = handle  # the engine's own request handler
 
-    def switch(self, apply: Callable[[], Ack]) -> Ack:
+    def switch(self, request: Commit | Revert, apply: Callable[[], Ack]) -> Ack:
         return apply()
 
     def score_probe(self, probe: Probe) -> ProbeScores:
@@ -59,6 +59,9 @@ class ScoredByEngine:
         if not isinstance(scores, Scores):
             raise EngineError(f"the engine answered Score with {type(scores).__name__}")
         return scores.logprobs, {scores.update_id}
+
+    def publish(self, ack: Ack) -> None:
+        pass  # what the engine committed it serves from the next request on
 
 
 class HostedTarget(EngineTarget):

@@ -430,6 +430,8 @@ def _report(
     seconds = dict(timer.seconds, total=time.perf_counter() - start)
     if ack.delivery is not None and verified:
         seconds["verify"] = ack.delivery.seconds
+    if ack.waited_s:
+        seconds["commit_wait"] = ack.waited_s  # part of "commit": no room for one more version until then
     report = SyncReport(uid, kind, transport, len(plan.metas), len(plan.sizes), plan.total, seconds, ack.delivery)
     log.info(
         "pushed update %d: %d tensors, %d bytes in %.2f ms via %s",

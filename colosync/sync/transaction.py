@@ -112,11 +112,17 @@ Scores = tuple[Sequence[Sequence[float]], set[int]]
 class Serving(Protocol):
     """What the transaction needs from the engine's serving code."""
 
-    def switch(self, apply: Callable[[], Ack]) -> Ack:
-        """Run ``apply`` (a commit or a revert) while nothing is served; afterwards serve what it left."""
+    def switch(self, request: Commit | Revert, apply: Callable[[], Ack]) -> Ack:
+        """Run ``apply`` (``request`` to the Receiver(s)) while nothing is served; afterwards serve what it left."""
 
     def score_probe(self, probe: Probe) -> Scores:
         """The engine's logprob of every probe completion token, and the updates that computed them."""
+
+    def publish(self, ack: Ack) -> None:
+        """The commit stands (verified, or pushed without a probe): serve it to every request from now on.
+
+        An engine that serves what it committed at once does nothing; vLLM committing beside running
+        requests (``commit_mode="inflight"``) hands the new version to new requests only here."""
 
 
 class Layouts:
@@ -261,7 +267,7 @@ class EngineTransaction:
     def _switch(self, request: Commit | Revert) -> Ack:
         if self.serving_code is None:
             return self.applies.handle(request)
-        return self.serving_code.switch(lambda: self.applies.handle(request))
+        return self.serving_code.switch(request, lambda: self.applies.handle(request))
 
     def _commit(self, request: Commit) -> Ack:
         serving = self.serving_code
@@ -275,7 +281,10 @@ class EngineTransaction:
             return serving.score_probe(probe) if serving is not None else _unscored(probe)
 
         # The probe never reaches the Receiver(s): it is scored here, by the engine's serving code.
-        return verified_commit(lambda r: self.observe(self._switch(r)), request, score)
+        ack = verified_commit(lambda r: self.observe(self._switch(r)), request, score)
+        if serving is not None:
+            serving.publish(ack)
+        return ack
 
     def _interned(self, request: Begin, session: Session) -> Begin:
         """``request`` with a known ``Layout`` object (``Layouts``); also what ``session`` begins again from now on."""

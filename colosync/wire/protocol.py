@@ -208,6 +208,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     serving: bool = True  # False: failed closed after a full update that did not verify
     delivery: Delivery | None = None
     adapter: int = 0  # the update whose LoRA adapter the engine applies now; 0: none
+    waited_s: float = 0.0  # a commit's wait for room beside versions still in use (vLLM, commit_mode="inflight")
 
     def next_update_id(self) -> int:
         return max(self.committed_update_id, self.in_flight_update_id or 0, self.highest_update_id) + 1

@@ -21,8 +21,9 @@ class Scoring:
 
     def __init__(self, owner_of: list[EngineTransaction], logprob: float = -1.0) -> None:
         self.owner_of, self.logprob, self.broken = owner_of, logprob, False
+        self.published: list[int] = []  # the commits the transaction told the engine to serve
 
-    def switch(self, apply):
+    def switch(self, request, apply):
         ack = apply()
         if self.broken:
             raise RuntimeError("resuming the engine failed")
@@ -30,6 +31,9 @@ class Scoring:
 
     def score_probe(self, probe):
         return [[self.logprob] * len(c) for c in probe.completions], {self.owner_of[0].committed_update_id}
+
+    def publish(self, ack):
+        self.published.append(ack.committed_update_id)
 
 
 def engine(logprob: float = -1.0) -> tuple[StoreEngine, Receiver, EngineTransaction, Scoring]:
@@ -81,6 +85,21 @@ def test_a_failed_closed_engine_refuses_to_score_a_probe_and_so_to_verify_an_upd
         assert not owner.serving
         report = sender.push([("w", torch.full((2,), 4.0))], verify=PROBE)  # a full update that commits reopens it
         assert owner.serving and report.delivery is not None and report.delivery.max_deviation == 0.0
+    receiver.close()
+
+
+def test_a_commit_is_published_to_the_serving_code_only_once_it_stands():
+    """An engine that serves a new version beside running requests (vLLM, ``commit_mode="inflight"``) hands it
+    to new requests at ``publish``: after the probe passed, never for an update that failed verification."""
+    store, receiver, owner, scoring = engine()
+    with Sender(LocalLink(owner), transport="shm") as sender:
+        plain = sender.push([("w", torch.ones(2))]).update_id
+        verified = sender.push([("w", torch.full((2,), 2.0))], verify=PROBE).update_id
+        assert scoring.published == [plain, verified]
+        scoring.logprob = -3.0
+        with pytest.raises(DeliveryError):
+            sender.push([("w", torch.full((2,), 3.0))], verify=PROBE)
+        assert scoring.published == [plain, verified]
     receiver.close()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from colosync.engines.vllm.link import (
@@ -23,6 +24,7 @@ from colosync.engines.vllm.link import (
     score_completions,
     version_of,
 )
+from colosync.engines.vllm.versions import Lease
 from colosync.engines.vllm.worker import WorkerInfo
 from colosync.errors import EngineError
 from colosync.wire.protocol import Status
@@ -56,6 +58,8 @@ class _EngineClient:
         Raises ``FailedClosedError`` while the engine refuses to serve.
         """
         self.link.transaction.refuse_unless_serving("generation with the colosync adapter")
+        if self.link.versions is not None:
+            self.link.default_lora()  # raises: in this mode a request's version is held by a lease
         if not self.link.lora_update_id:
             raise EngineError(
                 "this engine serves no colosync LoRA adapter: none was committed yet, or a full update dropped it "
@@ -63,6 +67,16 @@ class _EngineClient:
                 "generating with it, or generate without a lora_request to use the engine's weights alone"
             )
         return colosync_lora_request()
+
+    def lease(self) -> AbstractContextManager[Lease]:
+        """``commit_mode="inflight"``: the served adapter version for one request, held until it ends.
+
+        >>> with engine.lease() as lease:
+        ...     outs = llm.generate(prompts, params, lora_request=lease.lora_request)
+        >>> engine.version_of(outs[0]) == lease.update_id
+        """
+        lease: AbstractContextManager[Lease] = self.link.lease()
+        return lease
 
     version_of = staticmethod(version_of)
 
@@ -74,11 +88,15 @@ class VllmEngine(_EngineClient):
     >>> Sender(engine.link, transport="shm").push_peft(peft_model)
     >>> outs = llm.generate(prompts, params, lora_request=engine.lora_request)
     >>> engine.version_of(outs[0])   # the update_id the tokens came from
+
+    ``commit_mode="inflight"`` (asynchronous RL): LoRA commits do not wait for running requests,
+    which finish on their version; up to ``versions_in_flight`` versions are installed at once
+    (vLLM's ``max_loras`` must hold them). Generate through ``lease()``.
     """
 
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait") -> None:
+    def __init__(self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
         self.llm = llm
-        self.link = VllmLink(llm, commit_mode)
+        self.link = VllmLink(llm, commit_mode, versions_in_flight)
         self.workers = self.link.info()
         log.info(
             "colosync: attached to vLLM with %d worker(s), committed update %d",

@@ -21,11 +21,19 @@ the colosync adapter the workers apply (``Ack.adapter``; a full update drops it 
 with ``adapters="keep"``), else with the base model. The probe runs after resume, so with a
 synchronous ``LLM`` do not generate from another thread during a verified commit
 (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
+
+Commits beside running requests (``commit_mode="inflight"``, asynchronous RL). A LoRA commit
+does not pause vLLM: the workers install the new version under an adapter id of its own beside
+the served one, the probe scores it, and only then (``publish``) do new requests get it;
+requests already running finish on their version, which retires when its last request ends
+(``versions.Versions``: requests hold their version through a lease). A full update still
+pauses, after every running request has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -36,18 +44,28 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from colosync.control.door import codecs
-from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, WORKER_EXTENSION, WorkerInfo
+from colosync.engines.vllm.versions import Versions, versioned_lora_request
+from colosync.engines.vllm.worker import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    IN_MEMORY_PATH,
+    WORKER_EXTENSION,
+    WorkerInfo,
+    versioned_update_id,
+)
 from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError
 from colosync.sync.link import Done
 from colosync.sync.transaction import EngineTransaction
-from colosync.wire.protocol import Ack, Failed, Probe, Status, TransactionRequest
+from colosync.wire.protocol import Ack, Commit, Failed, Probe, Revert, Status, TransactionRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
-CommitMode = Literal["wait", "keep"]
+CommitMode = Literal["wait", "keep", "inflight"]
+"""How a commit meets running requests: "wait" drains them first (vLLM's pause), "keep" holds them in
+place (their later tokens come from the new version), "inflight" lets them finish on their version."""
 
 _INFO = msgspec.msgpack.Decoder(WorkerInfo)
 
@@ -66,8 +84,12 @@ def version_of(output: Any) -> int:
     """The ``update_id`` whose weights produced ``output`` (a RequestOutput or CompletionOutput).
 
     0 means the engine's initial weights. Raises ``EngineError`` if the tokens came from
-    more than one version (only possible with ``commit_mode="keep"``).
+    more than one version (only possible with ``commit_mode="keep"``). A request on a LoRA version
+    of its own (``commit_mode="inflight"``) ran on that version alone: its adapter id says which.
     """
+    lora = getattr(output, "lora_request", None)
+    if lora is not None and versioned_update_id(lora.lora_int_id) is not None:
+        return versioned_update_id(lora.lora_int_id) or 0
     completions = getattr(output, "outputs", None) or [output]
     versions: set[int] = set()
     for completion in completions:
@@ -143,12 +165,16 @@ class _VllmLinkBase:
     scores a probe after resume (see the module docstring).
     """
 
-    def __init__(self, commit_mode: CommitMode = "wait") -> None:
-        if commit_mode not in ("wait", "keep"):
-            raise ConfigError(f"commit_mode must be 'wait' or 'keep', got {commit_mode!r}")
+    def __init__(self, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
+        if commit_mode not in ("wait", "keep", "inflight"):
+            raise ConfigError(f"commit_mode must be 'wait', 'keep' or 'inflight', got {commit_mode!r}")
         self.commit_mode = commit_mode
+        # vLLM's pause mode for the commits that pause: with "inflight" only full updates pause, once drained
+        self.pause_mode = "wait" if commit_mode == "inflight" else commit_mode
         self.workers = _Workers(self._rpc)
         self.transaction = EngineTransaction(self.workers, self)
+        self.versions = Versions(versions_in_flight, self._retire) if commit_mode == "inflight" else None
+        self.driver: Any = None  # a ``Rollouts`` loop driving the LLM, which then runs the link's requests
 
     # -- what subclasses provide ------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -194,10 +220,70 @@ class _VllmLinkBase:
     def default_lora(self) -> Any:
         """What generation uses by default: the committed colosync adapter, else the base model (None)."""
         self.transaction.refuse_unless_serving("generation")
+        if self.versions is not None:
+            raise ConfigError(
+                "with commit_mode='inflight' a request's adapter version is held by a lease, so that it is retired "
+                "only after the request ends: generate inside `with engine.lease() as lease:` with "
+                "lora_request=lease.lora_request"
+            )
         return colosync_lora_request() if self.transaction.adapter else None
 
+    def lease(self) -> Any:
+        """``with link.lease() as lease``: the served version for one request (``commit_mode="inflight"``)."""
+        self.transaction.refuse_unless_serving("generation")
+        if self.versions is None:
+            raise ConfigError("leases are for commit_mode='inflight'; this engine pauses to commit: use default_lora()")
+        return self.versions.lease()
+
     # -- Serving ------------------------------------------------------------------------------
-    def switch(self, apply: Callable[[], Ack]) -> Ack:
+    def switch(self, request: Commit | Revert, apply: Callable[[], Ack]) -> Ack:
+        """Run ``apply`` (``request``) so that no request sees two versions (the module docstring)."""
+        versions = self.versions
+        if versions is None:
+            return self._paused(apply)
+        if not self._committing_lora():
+            with versions.exclusive():  # a full update: no request runs while the base weights change
+                try:
+                    return self._paused(apply)
+                finally:
+                    versions.reset(self.transaction.adapter)
+        if isinstance(request, Revert) and not versions.pending:
+            raise ConfigError(
+                f"update {request.update_id} is served to new requests already, and with commit_mode='inflight' "
+                "requests may still run on it: push the adapter to go back to as a new update instead of a Revert"
+            )
+        return self._beside(versions, apply, reverting=isinstance(request, Revert))
+
+    def _committing_lora(self) -> bool:
+        """Whether the update being committed is a LoRA one (its owner's last Begin says)."""
+        owner = self.transaction.owner
+        return owner is not None and owner.begun is not None and owner.begun[0].kind == "lora"
+
+    def _beside(self, versions: Versions, apply: Callable[[], Ack], reverting: bool) -> Ack:
+        """A LoRA commit, or the revert of one not yet published, while requests run on the versions before it."""
+        waited = 0.0 if reverting else versions.make_room()
+        try:
+            ack = self.transaction.observe(apply())
+        except DeliveryError:  # the workers found it wrong and reverted it themselves
+            self.transaction.observe(self.workers.handle(Status()))
+            raise
+        finally:
+            if reverting:
+                versions.reverted(self.transaction.adapter)
+        if not reverting:
+            versions.staged(ack.adapter)
+        return msgspec.structs.replace(ack, waited_s=waited) if waited else ack
+
+    def publish(self, ack: Ack) -> None:
+        if self.versions is not None:
+            self.versions.publish()
+
+    def _retire(self, update_id: int) -> None:
+        results = self._rpc("colosync_retire", update_id)
+        if not all(results):
+            log.warning("colosync: LoRA version %d was not installed on every worker when it retired", update_id)
+
+    def _paused(self, apply: Callable[[], Ack]) -> Ack:
         """Run ``apply`` with generation paused; label the version it leaves and drop stale KV."""
         self._pause()
         try:
@@ -217,8 +303,16 @@ class _VllmLinkBase:
             log.warning("colosync: vLLM did not reset its prefix cache at update %d", ack.committed_update_id)
 
     def score_probe(self, probe: Probe) -> tuple[list[list[float]], set[int]]:
-        """The probe scored the way the engine serves by default (``default_lora``)."""
-        return self.score(probe.prompts, probe.completions, self.default_lora())
+        """The probe scored the way the engine serves by default (``default_lora``), or, committing beside
+        running requests, by the version just committed."""
+        if self.versions is None:
+            lora = self.default_lora()
+        else:
+            self.transaction.refuse_unless_serving("to score the probe")
+            uid = self.versions.probe_version()
+            lora = versioned_lora_request(uid) if uid else None
+        with self.driver.alone() if self.driver is not None else contextlib.nullcontext():  # (``Rollouts.alone``)
+            return self.score(probe.prompts, probe.completions, lora)
 
     # -- Link -------------------------------------------------------------------------------
     def submit(self, request: TransactionRequest) -> Done:
@@ -253,15 +347,36 @@ class _VllmLinkBase:
                 ) from exc
             raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
         infos = [_INFO.decode(bytes(r)) for r in replies]
+        if self.versions is not None:
+            infos = self._keep_versions(infos)
         self.transaction.status()  # what the workers serve now
         return infos
+
+    def _keep_versions(self, infos: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Have every worker keep a version per update id (``commit_mode="inflight"``), if vLLM has the slots."""
+        assert self.versions is not None
+        slots = min(i.max_loras for i in infos)
+        if slots < self.versions.limit:
+            raise ConfigError(
+                f"commit_mode='inflight' holds up to {self.versions.limit} LoRA versions at once (versions_in_flight), "
+                f"but this vLLM engine has {slots} LoRA slot(s): start it with LLM(..., max_loras="
+                f"{self.versions.limit}) or lower versions_in_flight"
+            )
+        if all(i.keep_versions for i in infos):
+            return infos
+        if any(i.lora_update_id for i in infos):
+            raise ConfigError(
+                "this vLLM engine already serves a colosync adapter under the stable id; choose "
+                "commit_mode='inflight' before the first LoRA push (or push a full update with adapters='drop' first)"
+            )
+        return [_INFO.decode(bytes(r)) for r in self._rpc("colosync_keep_versions", True)]
 
 
 class VllmLink(_VllmLinkBase):
     """Link to a synchronous ``vllm.LLM``."""
 
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait") -> None:
-        super().__init__(commit_mode)
+    def __init__(self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
+        super().__init__(commit_mode, versions_in_flight)
         self.llm = llm
         self._engine_core = llm.llm_engine.engine_core
         self._can_pause = _serialize_client_sends(self._engine_core)
@@ -271,7 +386,7 @@ class VllmLink(_VllmLinkBase):
 
     def _pause(self) -> None:
         if self._can_pause:
-            self.llm.sleep(level=0, mode=self.commit_mode)
+            self.llm.sleep(level=0, mode=self.pause_mode)
 
     def _resume(self) -> None:
         if self._can_pause:
@@ -286,6 +401,8 @@ class VllmLink(_VllmLinkBase):
     def _generate_one(self, token_ids: list[int], params: Any, lora: Any) -> Any:
         from vllm import TokensPrompt
 
+        if self.driver is not None:  # another thread drives the LLM (``Rollouts``): it runs this request too
+            return self.driver.generate_one(token_ids, params, lora)
         [out] = self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, lora_request=lora, use_tqdm=False)
         return out
 
@@ -342,6 +459,11 @@ class AsyncVllmLink(_VllmLinkBase):
     """
 
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
+        if commit_mode == "inflight":  # a lease blocks its caller, which here is the engine's own event loop
+            raise ConfigError(
+                "commit_mode='inflight' is built for the synchronous vllm.LLM (VllmEngine) so far; with AsyncLLM "
+                "use 'wait' (commits drain running requests) or 'keep'"
+            )
         super().__init__(commit_mode)
         self.engine = engine
         self._bridge = _AsyncBridge(loop)
@@ -350,7 +472,7 @@ class AsyncVllmLink(_VllmLinkBase):
         return self._bridge.run(self.engine.collective_rpc(method, args=args))
 
     def _pause(self) -> None:
-        self._bridge.run(self.engine.pause_generation(mode=self.commit_mode, clear_cache=False))
+        self._bridge.run(self.engine.pause_generation(mode=self.pause_mode, clear_cache=False))
 
     def _resume(self) -> None:
         self._bridge.run(self.engine.resume_generation())

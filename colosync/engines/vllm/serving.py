@@ -13,8 +13,10 @@ resume) and the verification of a probe are the same here and there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
@@ -80,9 +82,16 @@ class VllmServing:
             return self._score(request)
         raise ManifestError(f"the vLLM engine serves Generate and Score, not {type(request).__name__}")
 
-    def _lora(self) -> Any:
-        """The served adapter, else None; raises ``FailedClosedError`` while the engine refuses to serve."""
-        return self.engine.link.default_lora()
+    @contextlib.contextmanager
+    def _lora(self) -> Iterator[Any]:
+        """The served adapter for one batch, else None; raises ``FailedClosedError`` while the engine refuses to
+        serve. Committing beside running requests (``commit_mode="inflight"``), the batch holds its version."""
+        link = self.engine.link
+        if link.versions is None:
+            yield link.default_lora()
+            return
+        with link.lease() as lease:
+            yield lease.lora_request
 
     def _generate(self, request: Generate) -> Generation:
         from vllm import SamplingParams, TokensPrompt
@@ -99,7 +108,8 @@ class VllmServing:
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(prompts, params, lora_request=self._lora(), use_tqdm=False)
+        with self._lora() as lora:
+            outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         tokens, logprobs, versions = [], [], set()
         for out in outputs:
             completion = out.outputs[0]
@@ -112,7 +122,8 @@ class VllmServing:
 
     def _score(self, request: Score) -> Scores:
         # The same scoring the link verifies a probe with (one sequence per generate call).
-        result, versions = self.engine.link.score(request.prompts, request.completions, self._lora())
+        with self._lora() as lora:
+            result, versions = self.engine.link.score(request.prompts, request.completions, lora)
         return Scores(_one_version(versions), result)
 
 

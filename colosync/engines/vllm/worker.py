@@ -70,7 +70,17 @@ WORKER_EXTENSION = "colosync.engines.vllm.worker.ColosyncWorkerExtension"
 
 ADAPTER_NAME = "colosync"
 ADAPTER_ID = 0xC010
-"""The stable vLLM adapter id every colosync LoRA version is served under."""
+"""The stable vLLM adapter id every colosync LoRA version is served under (``commit_mode`` "wait" or "keep")."""
+
+VERSIONED_ID_BASE = 0xC0100000
+"""With ``commit_mode="inflight"`` each LoRA version has an id of its own: this plus its update id."""
+
+
+def versioned_update_id(lora_int_id: int) -> int | None:
+    """The update whose own adapter id ``lora_int_id`` is (``commit_mode="inflight"``), else None."""
+    uid = lora_int_id - VERSIONED_ID_BASE
+    return uid if 0 < uid < 1 << 31 else None
+
 
 IN_MEMORY_PATH = "colosync://in-memory"
 """``LoRARequest.lora_path`` is mandatory in vLLM; colosync adapters never live on disk."""
@@ -88,6 +98,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     lora_update_id: int  # the update that installed the served adapter; 0 if none
     serving: bool = True  # False: failed closed (a full update did not verify); push a good update
     last_full: FullFootprint | None = None  # where the last full update's bytes sat at prepare
+    max_loras: int = 1  # adapters vLLM holds in its slots at once
+    keep_versions: bool = False  # each LoRA version under an id of its own, kept until retired
 
 
 # =========================================================================================
@@ -159,8 +171,13 @@ class VllmTarget(EngineTarget):
         self._groups: dict[str, set[str]] = {}  # vLLM layer -> the HF parameters it loads
         for name in self._spec.params or {}:  # this target always describes its parameters
             self._groups.setdefault(self._group_of(name), set()).add(name)
-        self._served: Any = None  # the LoRAModel currently installed under ADAPTER_ID
+        self._served: Any = None  # the LoRAModel currently served (under ADAPTER_ID unless keep_versions)
         self.lora_update_id = 0
+        # keep_versions (commit_mode="inflight"): every LoRA version is installed under an id of its
+        # own, and a superseded one stays installed (``_kept``, by update id) for the requests still
+        # running on it until the driver retires it. Otherwise one id, swapped at each commit.
+        self.keep_versions = False
+        self._kept: dict[int, Any] = {}
         # What a revert of the last commit reinstates (kept until the next commit): the
         # LoRAModel served before it and the update that installed that one.
         self._last_commit: tuple[str, int] | None = None  # (kind, update_id)
@@ -344,7 +361,7 @@ class VllmTarget(EngineTarget):
             mapper = mapper.get_rename_mapper()
         try:
             lora = LoRAModel.from_lora_tensors(
-                lora_model_id=ADAPTER_ID,
+                lora_model_id=VERSIONED_ID_BASE + manifest.update_id if self.keep_versions else ADAPTER_ID,
                 tensors=peft_named,
                 peft_helper=helper,
                 device="cpu",
@@ -393,9 +410,12 @@ class VllmTarget(EngineTarget):
             loaded = self._load_full(prepared.named, restore_adapter=not dropping) if writes else set()
         except BaseException:
             # vLLM's reload drops every registered LoRA first: if the served one is not back, say so
-            if self._served is not None and ADAPTER_ID not in self._adapter_manager().list_adapters():
+            if self._served is not None and self._served.id not in self._adapter_manager().list_adapters():
                 self._served, self.lora_update_id = None, 0
             raise
+        finally:
+            if writes:  # the reload drops every registered adapter; superseded ones are not put back
+                self._kept.clear()
         covered = loaded_layers(prepared.layers, loaded)
         changes = Changes(len(covered), len(prepared.layers))
         if changes.changed != changes.expected:
@@ -411,9 +431,10 @@ class VllmTarget(EngineTarget):
             self._previous, self._previous_lora_update_id = self._served, self.lora_update_id
         if dropping:
             manager = self._adapter_manager()
-            manager.remove_adapter(ADAPTER_ID)
+            served = self._served.id
+            manager.remove_adapter(served)
             self._served, self.lora_update_id = None, 0
-            changes = Changes(changes.changed + (ADAPTER_ID not in manager.list_adapters()), changes.expected + 1)
+            changes = Changes(changes.changed + (served not in manager.list_adapters()), changes.expected + 1)
         return changes
 
     def served_adapter(self) -> int:
@@ -427,14 +448,17 @@ class VllmTarget(EngineTarget):
         manager = self._adapter_manager()
         previous = self._previous
         self._last_commit, self._previous = None, None
-        manager.remove_adapter(ADAPTER_ID)
+        if self._served is not None:
+            manager.remove_adapter(self._served.id)
         self._served = None
-        if previous is not None:
+        # keeping versions, the previous one is still installed: serving it again is the whole revert
+        installed = previous is not None and self._kept.pop(self._previous_lora_update_id, None) is previous
+        if previous is not None and not installed:
             try:
                 self._add_and_pin(manager, previous)  # already packed and folded: adding again folds nothing
             except Exception:
                 log.exception("colosync: could not reinstate the LoRA of update %d", self._previous_lora_update_id)
-                manager.remove_adapter(ADAPTER_ID)
+                manager.remove_adapter(previous.id)
                 self.lora_update_id = 0
                 return False
         self._served = previous
@@ -443,9 +467,20 @@ class VllmTarget(EngineTarget):
         return True
 
     def _install(self, lora: Any) -> None:
-        """Swap ``lora`` in under ADAPTER_ID; on failure put the previous version back."""
+        """Swap ``lora`` in under ADAPTER_ID (or, keeping versions, add it beside the served one); on
+        failure put the previous version back."""
         manager = self._adapter_manager()
         previous = self._served
+        if self.keep_versions:
+            try:
+                self._add_and_pin(manager, lora)
+            except BaseException:
+                manager.remove_adapter(lora.id)
+                raise
+            if previous is not None:
+                self._kept[self.lora_update_id] = previous  # requests started on it finish on it
+            self._served = lora
+            return
         manager.remove_adapter(ADAPTER_ID)
         try:
             self._add_and_pin(manager, lora)
@@ -456,10 +491,25 @@ class VllmTarget(EngineTarget):
             raise
         self._served = lora
 
+    def retire(self, update_id: int) -> bool:
+        """Remove the superseded LoRA version of ``update_id`` (no request runs on it any more); False if
+        it is not a superseded version this worker keeps."""
+        lora = self._kept.pop(update_id, None)
+        if lora is None:
+            return False
+        if self._previous is lora:  # a revert can no longer bring it back
+            self._previous, self._last_commit = None, None
+        self._adapter_manager().remove_adapter(lora.id)
+        return True
+
+    def kept_versions(self) -> list[int]:
+        """The superseded LoRA versions still installed (``keep_versions``), by update id."""
+        return sorted(self._kept)
+
     @staticmethod
     def _add_and_pin(manager: Any, lora: Any) -> None:
         manager.add_adapter(lora)  # packs q/k/v, gate/up and folds scaling once
-        manager.pin_adapter(ADAPTER_ID)  # activate into a slot; never evicted by the LRU
+        manager.pin_adapter(lora.id)  # activate into a slot; never evicted by the LRU
 
     def _load_full(self, named: list[tuple[str, torch.Tensor]], restore_adapter: bool = True) -> set[str]:
         """Reload ``named`` in place; returns the vLLM layers ``load_weights`` loaded.
@@ -545,10 +595,10 @@ class WorkerDoor:
         self.receiver = receiver
         self._door = Door(status=receiver.status)
         self._layouts = Layouts()  # each Begin arrives as bytes: its Layout becomes the known object again
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # messages, and the worker's other calls on the same target, one at a time
 
     def serve(self, data: bytes) -> bytes:
-        with self._lock:
+        with self.lock:
             return self._door.serve(data, self._handle)
 
     def _handle(self, request: TransactionRequest) -> Ack:
@@ -617,8 +667,31 @@ class ColosyncWorkerExtension:
             lora_update_id=target.lora_update_id,
             serving=state.receiver.status().serving,
             last_full=target.last_full,
+            max_loras=int(target.lora_config.max_loras) if target.lora_config else 0,
+            keep_versions=target.keep_versions,
         )
         return msgspec.msgpack.encode(info)
+
+    def colosync_keep_versions(self, keep: bool) -> bytes:
+        """Install each LoRA version under an id of its own and keep superseded ones until retired
+        (``commit_mode="inflight"``); answers ``colosync_info``. Refused while an update is in flight."""
+        state = self.colosync_state()
+        with state.door.lock:
+            if state.receiver.status().in_flight_update_id is not None:
+                raise ConfigError("an update is in flight: choose the commit mode before the first push")
+            state.target.keep_versions = keep
+        return self.colosync_info()
+
+    def colosync_retire(self, update_id: int) -> bool:
+        """Remove the superseded LoRA version of ``update_id``: no request runs on it any more."""
+        state = self.colosync_state()
+        with state.door.lock:
+            return state.target.retire(update_id)
+
+    def colosync_kept_versions(self) -> list[int]:
+        state = self.colosync_state()
+        with state.door.lock:
+            return state.target.kept_versions()
 
     def colosync_state(self) -> _WorkerState:
         state = self.__dict__.get("_colosync_state")
@@ -632,10 +705,12 @@ __all__ = [
     "ADAPTER_NAME",
     "ColosyncWorkerExtension",
     "IN_MEMORY_PATH",
+    "VERSIONED_ID_BASE",
     "VllmTarget",
     "WORKER_EXTENSION",
     "WorkerDoor",
     "WorkerInfo",
     "loaded_layers",
     "placed_lora_modules",
+    "versioned_update_id",
 ]

@@ -1,0 +1,200 @@
+"""The colosync adapter's versions a vLLM engine holds at once, and the requests running on each.
+
+Asynchronous RL never stops generating for a sync. With ``commit_mode="inflight"`` a LoRA commit
+does not pause vLLM: the workers install the new version beside the served one, under an adapter
+id of its own (``worker.VERSIONED_ID_BASE`` + its update id), and once it is verified every new
+request gets it, while requests already running finish on the version they started with. A
+request holds its version through a ``lease``; a superseded version is retired (removed from the
+workers) when its last lease ends. ``limit`` bounds how many versions are installed at once (each
+takes one of vLLM's ``max_loras`` slots): a commit beyond it waits for a retirement and says how
+long it waited. A full update still drains every request first (one set of base weights):
+``exclusive`` lets no new lease start until it is applied.
+
+Leases are counted here, in the driver, because only the driver knows when a request ends; so
+in this mode generate through a lease (``VllmEngine.lease``, ``VllmServing``), never with a
+``LoRARequest`` kept from an earlier call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from colosync.engines.vllm.worker import IN_MEMORY_PATH, VERSIONED_ID_BASE
+from colosync.errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
+
+
+def versioned_lora_request(update_id: int) -> Any:
+    """The ``LoRARequest`` of the LoRA version that update ``update_id`` installed (``commit_mode="inflight"``)."""
+    from vllm.lora.request import LoRARequest
+
+    uid = VERSIONED_ID_BASE + update_id
+    return LoRARequest(lora_name=f"colosync-u{update_id}", lora_int_id=uid, lora_path=IN_MEMORY_PATH)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One request's version: generate with ``lora_request`` (None: the base weights, no adapter served)."""
+
+    update_id: int  # the update whose adapter the request runs on (0: none)
+    lora_request: Any
+
+
+class Versions:
+    """The installed LoRA versions and their leases; ``retire(update_id)`` removes one from the workers."""
+
+    def __init__(self, limit: int, retire: Callable[[int], None], room_timeout_s: float = 600.0) -> None:
+        if limit < 2:
+            raise ConfigError(
+                f"versions_in_flight must be at least 2 (the served version and the one being committed), got {limit}"
+            )
+        self.limit = limit
+        self.room_timeout_s = room_timeout_s
+        self._retire = retire
+        self._cond = threading.Condition()
+        self.current = 0  # the served version (0: none); what a new lease gets
+        self.pending = 0  # committed on the workers, not yet verified: served to nobody yet
+        self._leases: Counter[int] = Counter()
+        self._superseded: set[int] = set()  # installed, no longer current, leases may still run on them
+        self._retiring: set[int] = set()
+        self._exclusive = False
+        self.last_wait_s = 0.0  # how long the last commit waited for room
+
+    # -- requests ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Lease]:
+        """The served version for one request, held until the request ends."""
+        with self._cond:
+            while self._exclusive:  # a full update is draining or being applied
+                self._cond.wait()
+            uid = self.current
+            self._leases[uid] += 1
+        try:
+            yield Lease(uid, versioned_lora_request(uid) if uid else None)
+        finally:
+            self._release(uid)
+
+    def _release(self, uid: int) -> None:
+        with self._cond:
+            self._leases[uid] -= 1
+            if self._leases[uid] > 0:
+                return
+            del self._leases[uid]
+            retire = uid in self._superseded
+            if retire:
+                self._superseded.discard(uid)
+                self._retiring.add(uid)
+            self._cond.notify_all()
+        if retire:
+            self._retire_now(uid)
+
+    def in_flight(self) -> dict[int, int]:
+        """Requests running now, by the version they run on."""
+        with self._cond:
+            return dict(self._leases)
+
+    def installed(self) -> list[int]:
+        """Every version the workers hold now: the served one, superseded ones still running, one being committed."""
+        with self._cond:
+            return sorted({self.current, self.pending, *self._superseded, *self._retiring} - {0})
+
+    # -- commits (one at a time: the engine's transaction lock) -----------------------------
+    def make_room(self) -> float:
+        """Wait until one more version fits (``limit``); returns the seconds waited."""
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.room_timeout_s
+        waited = False
+        with self._cond:
+            while len({self.current, *self._superseded, *self._retiring} - {0}) + 1 > self.limit:
+                waited = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    running = {uid: self._leases[uid] for uid in sorted(self._superseded)}
+                    raise EngineError(
+                        f"no room for another LoRA version: {self.limit} are installed and requests still run on "
+                        f"superseded ones {running} (update: requests) after {self.room_timeout_s:g} s; let them "
+                        "finish, or start the engine with more versions_in_flight (and vLLM max_loras)"
+                    )
+                self._cond.wait(left)
+        seconds = time.perf_counter() - started if waited else 0.0
+        self.last_wait_s = seconds
+        if waited:
+            log.info("colosync: the commit waited %.3f s for a LoRA version to retire", seconds)
+        return seconds
+
+    def staged(self, update_id: int) -> None:
+        """The workers committed ``update_id``'s adapter (0: they serve none): verification may score it."""
+        with self._cond:
+            self.pending = update_id if update_id != self.current else 0
+
+    def reverted(self, update_id: int) -> None:
+        """The workers reverted the pending version and serve ``update_id``'s adapter again."""
+        with self._cond:
+            self.pending = 0
+            self.current = update_id
+
+    def probe_version(self) -> int:
+        """The version a probe scores: the one just committed, else the served one."""
+        with self._cond:
+            return self.pending or self.current
+
+    def publish(self) -> None:
+        """The pending version is verified: new requests get it, the one it replaces retires once idle."""
+        with self._cond:
+            if not self.pending:
+                return
+            old, self.current, self.pending = self.current, self.pending, 0
+            retire = bool(old) and self._leases[old] == 0
+            if old and not retire:
+                self._superseded.add(old)
+            elif retire:
+                self._retiring.add(old)
+            self._cond.notify_all()
+        if retire:
+            self._retire_now(old)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No request runs inside: wait for every lease to end, retire every superseded version, let none start."""
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while sum(self._leases.values()):
+                self._cond.wait()
+            superseded, self._superseded = sorted(self._superseded), set()
+            self._retiring.update(superseded)
+        try:
+            for uid in superseded:
+                self._retire_now(uid)
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def reset(self, update_id: int) -> None:
+        """After a full update: the workers serve ``update_id``'s adapter (0: none) and nothing else."""
+        with self._cond:
+            self.current, self.pending = update_id, 0
+
+    def _retire_now(self, uid: int) -> None:
+        try:
+            self._retire(uid)
+        except Exception:  # it still takes a slot; the next commit may then wait for room
+            log.exception("colosync: could not retire LoRA version %d", uid)
+        finally:
+            with self._cond:
+                self._retiring.discard(uid)
+                self._cond.notify_all()
+
+
+__all__ = ["Lease", "Versions", "versioned_lora_request"]

@@ -1,0 +1,108 @@
+"""``Versions``: which LoRA versions a vLLM engine committing beside running requests holds, and when each retires.
+
+The bookkeeping alone, with the retirement recorded instead of sent to vLLM's workers (the real
+engine runs it in ``test_vllm_inflight``): a version retires exactly when it is superseded and
+its last request has ended, never while a request still runs on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from colosync.engines.vllm.versions import Versions
+from colosync.engines.vllm.worker import VERSIONED_ID_BASE, versioned_update_id
+from colosync.errors import ConfigError, EngineError
+
+
+def committed(versions: Versions, uid: int) -> None:
+    """What the link does for a LoRA commit that verifies: room, the workers' commit, publish."""
+    versions.make_room()
+    versions.staged(uid)
+    versions.publish()
+
+
+def test_a_superseded_version_retires_when_its_last_request_ends():
+    retired: list[int] = []
+    versions = Versions(3, retired.append)
+    committed(versions, 1)
+    with versions.lease() as first, versions.lease() as second:
+        assert first.update_id == second.update_id == 1
+        assert first.lora_request.lora_int_id == VERSIONED_ID_BASE + 1
+        committed(versions, 2)
+        with versions.lease() as third:
+            assert third.update_id == 2  # new requests get the new version at once
+        assert retired == [] and versions.installed() == [1, 2]
+    assert retired == [1] and versions.installed() == [2]  # its last request ended
+    committed(versions, 3)
+    assert retired == [1, 2]  # nothing ran on 2 any more: retired at the commit
+    assert versioned_update_id(VERSIONED_ID_BASE + 3) == 3 and versioned_update_id(7) is None
+
+
+def test_a_version_being_verified_is_served_to_nobody_and_a_revert_forgets_it():
+    retired: list[int] = []
+    versions = Versions(2, retired.append)
+    committed(versions, 1)
+    versions.make_room()
+    versions.staged(2)
+    assert versions.probe_version() == 2
+    with versions.lease() as lease:
+        assert lease.update_id == 1
+    versions.reverted(1)
+    versions.publish()  # nothing pending: nothing changes
+    assert versions.current == 1 and versions.installed() == [1] and retired == []
+
+
+def test_beyond_the_limit_a_commit_waits_for_a_retirement_and_times_out_naming_the_requests():
+    retired: list[int] = []
+    versions = Versions(2, retired.append, room_timeout_s=0.3)
+    committed(versions, 1)
+    held = versions.lease()
+    held.__enter__()
+    committed(versions, 2)  # 1 and 2 installed: full
+    with pytest.raises(EngineError, match=r"\{1: 1\}.*versions_in_flight"):
+        versions.make_room()
+    versions.room_timeout_s = 10.0
+    threading.Timer(0.3, lambda: held.__exit__(None, None, None)).start()
+    waited = versions.make_room()
+    assert 0.2 < waited < 5 and retired == [1]
+
+
+def test_a_full_update_waits_for_every_request_and_lets_none_start_until_applied():
+    retired: list[int] = []
+    versions = Versions(2, retired.append)
+    committed(versions, 1)
+    held = versions.lease()
+    held.__enter__()
+    committed(versions, 2)
+    events: list[str] = []
+
+    def full_update():
+        with versions.exclusive():
+            events.append("applied")
+            time.sleep(0.2)
+            versions.reset(0)  # the full update dropped the adapter
+
+    def late_request():
+        with versions.lease() as lease:
+            events.append(f"request on {lease.update_id}")
+
+    full = threading.Thread(target=full_update)
+    full.start()
+    time.sleep(0.2)
+    late = threading.Thread(target=late_request)
+    late.start()
+    time.sleep(0.1)
+    assert events == []  # the full update waits for the request on 1; the late request waits for the update
+    held.__exit__(None, None, None)
+    full.join(5)
+    late.join(5)
+    assert events[0] == "applied" and retired == [1]
+    assert events[1] == "request on 0"  # after the update (which dropped the adapter), never during it
+
+
+def test_fewer_than_two_versions_is_refused():
+    with pytest.raises(ConfigError, match="at least 2"):
+        Versions(1, lambda uid: None)

@@ -1,0 +1,163 @@
+"""LoRA commits beside running requests on the session's real vLLM engine (``commit_mode="inflight"``).
+
+Asynchronous RL never stops generating for a sync: a commit installs the new version under an
+adapter id of its own, new requests get it once it verified, and requests already running finish
+on the version they started with, which retires when its last request ends. Every output's tokens
+are compared with PEFT's for the version the output reports. The module switches the session's
+workers to one id per version and back (after a full update that drops the adapter), and leaves
+the engine on the original base weights, as the session expects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from colosync.errors import ConfigError, DeliveryError
+from colosync.sync.sender import Sender
+from colosync.testing import fill_lora, greedy, load_model
+from colosync.wire.protocol import Status
+
+from .test_vllm import NEW, PROMPTS, adapter, trainer_probe, vllm_generate
+
+LONG = 160  # tokens of the long request: it must outlast a push by far
+
+
+@pytest.fixture(scope="module")
+def inflight(vllm_llm, vllm_engine, vllm_sender, vllm_model_dir):
+    """A second link to the session's engine that commits beside running requests (two versions at once)."""
+    from colosync.engines.vllm.client import VllmEngine
+
+    if vllm_engine.link.lora_update_id:  # an adapter under the stable id: versions start from none
+        vllm_sender.drop_adapter()
+    vllm_sender.close()  # one sender per engine: the session's attaches again on its next push
+    engine = VllmEngine(vllm_llm, commit_mode="inflight", versions_in_flight=2)
+    sender = Sender(engine.link, transport="shm", bucket_bytes=32 << 10)
+    yield engine, sender
+    sender.push(load_model(vllm_model_dir).named_parameters())  # the base again, the adapter dropped
+    sender.close()
+    assert vllm_llm.collective_rpc("colosync_kept_versions") == [[]] * len(engine.workers)
+    vllm_llm.collective_rpc("colosync_keep_versions", args=(False,))  # the session's link uses one id
+
+
+def kept(engine) -> list[int]:
+    """The superseded versions every worker still holds (all workers must agree)."""
+    [versions] = {tuple(v) for v in engine.llm.collective_rpc("colosync_kept_versions")}
+    return list(versions)
+
+
+def generate_leased(engine, prompts, new=NEW):
+    """One request batch on the served version, held by a lease; returns (lease's version, versions, tokens)."""
+    with engine.lease() as lease:
+        outs, tokens, _ = vllm_generate(engine.llm, prompts, lease.lora_request, new=new)
+    return lease.update_id, [engine.version_of(o) for o in outs], tokens
+
+
+def greedy_params(new):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+
+
+def test_a_stable_lora_request_is_refused_where_versions_are_leased(inflight):
+    engine, _ = inflight
+    with pytest.raises(ConfigError, match="engine.lease"):
+        _ = engine.lora_request
+
+
+def test_more_versions_than_vllm_has_slots_are_refused_by_name(vllm_llm):
+    from colosync.engines.vllm.client import VllmEngine
+
+    with pytest.raises(ConfigError, match=r"max_loras=5"):
+        VllmEngine(vllm_llm, commit_mode="inflight", versions_in_flight=5)
+
+
+def test_a_commit_does_not_wait_for_a_long_request_which_finishes_on_its_version(inflight, vllm_model_dir):
+    from colosync.engines.vllm.rollouts import Rollouts
+
+    engine, sender = inflight
+    first = adapter(vllm_model_dir, rank=8, seed=71)
+    uid_a = sender.push_peft(first).update_id
+    rollouts = Rollouts(engine, PROMPTS[:1], greedy_params(LONG), concurrency=1).start()
+    while not engine.link.versions.in_flight():  # the long request holds its version
+        time.sleep(0.01)
+    time.sleep(0.2)  # and vLLM is generating it
+    second = adapter(vllm_model_dir, rank=8, seed=72)
+    report = sender.push_peft(second)
+    pushed_at = time.perf_counter()
+    assert not rollouts.finished, "the long request ended before the push: make LONG larger"
+    assert engine.link.versions.installed() == [uid_a, report.update_id]  # the long request still runs on a
+    while len(rollouts.finished) < 2:  # the long request, then one started after the commit
+        time.sleep(0.05)
+    long, after, *_ = rollouts.stop()
+    assert long.finished > pushed_at  # measured: the commit did not wait for the long request
+    assert (long.leased, long.version, long.tokens) == (uid_a, uid_a, greedy(first, PROMPTS[:1], LONG)[0][0])
+    assert (after.leased, after.version) == (report.update_id, report.update_id)
+    assert after.tokens == greedy(second, PROMPTS[:1], LONG)[0][0]
+    assert engine.link.versions.installed() == [report.update_id]  # a retired when its request ended
+    assert kept(engine) == []
+    assert "commit_wait" not in report.seconds
+
+
+def test_beyond_its_versions_a_commit_waits_for_the_oldest_to_retire_and_says_so(inflight, vllm_model_dir):
+    engine, sender = inflight
+    trainer = adapter(vllm_model_dir, rank=8, seed=73)
+    sender.push_peft(trainer)
+    held = engine.lease()  # a request that has its version and has not ended (two versions then fill the engine)
+    lease = held.__enter__()
+    fill_lora(trainer, 74, scale=0.08)
+    sender.push_peft(trainer)
+    assert kept(engine) == [lease.update_id]
+    fill_lora(trainer, 75, scale=0.08)
+    reports = []
+    third = threading.Thread(target=lambda: reports.append(sender.push_peft(trainer)))
+    third.start()
+    time.sleep(0.5)
+    assert third.is_alive() and not reports, "the third version must wait for room"
+    held.__exit__(None, None, None)  # the request ends: its version retires, the commit proceeds
+    third.join(timeout=60)
+    [report] = reports
+    assert report.seconds["commit_wait"] >= 0.4
+    assert generate_leased(engine, PROMPTS)[2] == greedy(trainer, PROMPTS, NEW)[0]
+    assert kept(engine) == []
+
+
+def test_commits_while_generation_never_stops_each_request_on_its_version(inflight, vllm_model_dir):
+    """Continuous batching (four requests always in vLLM) while eight versions commit, some verified, and one
+    that fails verification is rolled back: every request matches PEFT for the version it reports."""
+    from colosync.engines.vllm.rollouts import Rollouts
+
+    engine, sender = inflight
+    trainer = adapter(vllm_model_dir, rank=8, seed=80)
+    refs: dict[int, list[list[int]]] = {}
+
+    def push(seed, verified):
+        fill_lora(trainer, seed, scale=0.08)
+        uid = sender.push_peft(trainer, verify=trainer_probe(trainer) if verified else None).update_id
+        refs[uid] = greedy(trainer, PROMPTS, NEW)[0]
+
+    push(800, verified=False)
+    rollouts = Rollouts(engine, PROMPTS, greedy_params(NEW), concurrency=4).start()
+    failed_uid = None
+    try:
+        for i in range(8):
+            push(801 + i, verified=bool(i % 2))
+            if i == 4:  # a version that does not verify is rolled back and served to nobody
+                fill_lora(trainer, 900, scale=0.08)
+                with pytest.raises(DeliveryError, match="rolled back"):
+                    sender.push_peft(trainer, verify=trainer_probe(trainer, shift=0.5))
+                failed_uid = engine.link.submit(Status()).wait().highest_update_id
+            time.sleep(0.15)
+    finally:
+        done = rollouts.stop()
+    assert len({str(t) for t in refs.values()}) == len(refs) == 9, "versions must differ in their tokens"
+    for r in done:
+        assert r.version == r.leased, "one version per request: the one it was given"
+        assert r.tokens == refs[r.leased][r.prompt], f"the output of version {r.leased} is not PEFT's"
+    seen = {r.leased for r in done}
+    assert failed_uid is not None and failed_uid not in seen
+    assert len(seen) >= 4, f"generation must really overlap the commits (saw versions {sorted(seen)})"
+    assert len(done) > 20
+    assert kept(engine) == []
