@@ -205,6 +205,21 @@ def separated(record: Record) -> tuple[str, str, str]:
     return head, f"bare {backend} group {ms(raw)}", "–"
 
 
+def async_commit(record: Record) -> tuple[str, str, str]:
+    by = {r["path"]: r for r in record["results"]}
+    new, old = by["inflight"], by["wait"]
+    head = (
+        f"vLLM generating while a LoRA is pushed every {record['config']['every']} requests, `inflight`: "
+        f"**{new['tokens_per_s']:.0f} tokens/s**, request p99 {new['latency_ms_p99']:.0f} ms, "
+        f"push {new['push_ms_median']:.0f} ms"
+    )
+    ref = (
+        f"`wait` (pause, drain, swap): {old['tokens_per_s']:.0f} tokens/s, p99 {old['latency_ms_p99']:.0f} ms, "
+        f"push {old['push_ms_median']:.0f} ms"
+    )
+    return head, ref, "–"
+
+
 @dataclass(frozen=True)
 class Row:
     subject: str
@@ -225,6 +240,7 @@ ROWS = [
     Row("control channel", "channel", "record.json", channel),
     Row("control channel, H200 host", "channel", "h200.json", channel_h200),
     Row("separated mode (gloo, CPU)", "separated", "record.json", separated),
+    Row("commits beside running requests (vLLM CPU)", "async-commit", "record.json", async_commit),
     Row("FSDP2 source", "fsdp-source", "record.json", fsdp_source),
     Row("TRL GRPOTrainer sync", "trl-sync", "record.json", trl_sync),
     Row("verification cost", "verify-cost", "record.json", verify_cost),

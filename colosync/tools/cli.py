@@ -19,6 +19,7 @@ COMMANDS: tuple[str, ...] = (
     "colosync.tools.probe",
     "colosync.tools.bench.sync",
     "colosync.tools.bench.separated",
+    "colosync.tools.bench.asynchronous",
     "colosync.tools.bench.source",
     "colosync.tools.handoff",
 )

@@ -38,6 +38,7 @@ def test_a_superseded_version_retires_when_its_last_request_ends():
     assert retired == [1] and versions.installed() == [2]  # its last request ended
     committed(versions, 3)
     assert retired == [1, 2]  # nothing ran on 2 any more: retired at the commit
+    assert (versions.lag(1), versions.lag(2), versions.lag(3)) == (2, 1, 0)  # a sample's staleness
     assert versioned_update_id(VERSIONED_ID_BASE + 3) == 3 and versioned_update_id(7) is None
 
 

@@ -61,6 +61,27 @@ def greedy_params(new):
     return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
 
 
+def test_bench_async_runs_both_commit_modes_and_checks_every_request(vllm_engine, vllm_sender, vllm_model_dir):
+    """``colosync bench-async``'s measurement on the session's engine, small: both modes generate through every
+    push and every request's tokens are PEFT's for the version it reports (first here: before ``inflight``)."""
+    import argparse
+
+    from colosync.tools.bench.asynchronous import BASELINE, run_mode
+
+    if vllm_engine.link.lora_update_id:
+        vllm_sender.drop_adapter()
+    vllm_sender.close()
+    args = argparse.Namespace(pushes=2, every=3, concurrency=3, max_tokens=12, rank=8)
+    for mode in ("wait", "inflight"):
+        result = run_mode(vllm_engine.llm, vllm_model_dir, mode, args)
+        assert result.verified and result.requests > 0 and result.versions_served >= 2, result
+        assert result.path == mode and result.tokens_per_s > 0 and result.push_ms_median > 0
+    baseline = run_mode(vllm_engine.llm, vllm_model_dir, BASELINE, args)
+    assert baseline.verified and baseline.versions_served == 1 and baseline.kind == "floor"
+    assert vllm_engine.llm.collective_rpc("colosync_info")  # the workers answer, back in one-id mode
+    assert not any(i.keep_versions for i in vllm_engine.link.info())
+
+
 def test_a_stable_lora_request_is_refused_where_versions_are_leased(inflight):
     engine, _ = inflight
     with pytest.raises(ConfigError, match="engine.lease"):
@@ -125,8 +146,9 @@ def test_beyond_its_versions_a_commit_waits_for_the_oldest_to_retire_and_says_so
 
 
 def test_commits_while_generation_never_stops_each_request_on_its_version(inflight, vllm_model_dir):
-    """Continuous batching (four requests always in vLLM) while eight versions commit, some verified, and one
-    that fails verification is rolled back: every request matches PEFT for the version it reports."""
+    """Continuous batching (four requests always in vLLM) while eight versions commit, some verified, one that
+    fails verification is rolled back, and a full update drains every request: every request matches PEFT (or
+    the base model, after the full update dropped the adapter) for the version it reports."""
     from colosync.engines.vllm.rollouts import Rollouts
 
     engine, sender = inflight
@@ -139,8 +161,9 @@ def test_commits_while_generation_never_stops_each_request_on_its_version(inflig
         refs[uid] = greedy(trainer, PROMPTS, NEW)[0]
 
     push(800, verified=False)
+    base = load_model(vllm_model_dir)
     rollouts = Rollouts(engine, PROMPTS, greedy_params(NEW), concurrency=4).start()
-    failed_uid = None
+    failed_uid = full_uid = None
     try:
         for i in range(8):
             push(801 + i, verified=bool(i % 2))
@@ -149,15 +172,24 @@ def test_commits_while_generation_never_stops_each_request_on_its_version(inflig
                 with pytest.raises(DeliveryError, match="rolled back"):
                     sender.push_peft(trainer, verify=trainer_probe(trainer, shift=0.5))
                 failed_uid = engine.link.submit(Status()).wait().highest_update_id
+            if i == 6:  # the base weights, the adapter dropped: no request runs while they change
+                full_uid = sender.push(base.named_parameters()).update_id
+                time.sleep(0.3)  # requests on the base weights alone
             time.sleep(0.15)
     finally:
         done = rollouts.stop()
     assert len({str(t) for t in refs.values()}) == len(refs) == 9, "versions must differ in their tokens"
+    base_tokens = greedy(base, PROMPTS, NEW)[0]
     for r in done:
+        if not r.leased:  # after the full update, before the next LoRA: the base weights, labelled with it
+            assert r.version == full_uid and r.tokens == base_tokens[r.prompt]
+            continue
         assert r.version == r.leased, "one version per request: the one it was given"
         assert r.tokens == refs[r.leased][r.prompt], f"the output of version {r.leased} is not PEFT's"
+    assert any(not r.leased for r in done), "requests must have run on the full update's weights"
     seen = {r.leased for r in done}
     assert failed_uid is not None and failed_uid not in seen
     assert len(seen) >= 4, f"generation must really overlap the commits (saw versions {sorted(seen)})"
     assert len(done) > 20
     assert kept(engine) == []
+    assert engine.lag(max(refs)) == 0 and engine.lag(min(refs)) == len(refs) - 1  # the failed one never counted

@@ -78,6 +78,12 @@ class _EngineClient:
         lease: AbstractContextManager[Lease] = self.link.lease()
         return lease
 
+    def lag(self, update_id: int) -> int:
+        """``commit_mode="inflight"``: how many versions were published after ``update_id`` (a sample's staleness)."""
+        if self.link.versions is None:
+            raise EngineError("lag() counts versions published beside running requests: use commit_mode='inflight'")
+        return self.link.versions.lag(update_id)
+
     version_of = staticmethod(version_of)
 
 

@@ -22,12 +22,9 @@ with ``adapters="keep"``), else with the base model. The probe runs after resume
 synchronous ``LLM`` do not generate from another thread during a verified commit
 (``LLM.generate`` is not thread-safe); ``AsyncLLM`` has no such limit.
 
-Commits beside running requests (``commit_mode="inflight"``, asynchronous RL). A LoRA commit
-does not pause vLLM: the workers install the new version under an adapter id of its own beside
-the served one, the probe scores it, and only then (``publish``) do new requests get it;
-requests already running finish on their version, which retires when its last request ends
-(``versions.Versions``: requests hold their version through a lease). A full update still
-pauses, after every running request has ended.
+With ``commit_mode="inflight"`` (asynchronous RL) a LoRA commit does not pause vLLM: the new
+version is installed beside the served one, verified, then published to new requests, and running
+requests finish on their version (``versions.Versions``); a full update still pauses, drained.
 """
 
 from __future__ import annotations
@@ -88,8 +85,9 @@ def version_of(output: Any) -> int:
     of its own (``commit_mode="inflight"``) ran on that version alone: its adapter id says which.
     """
     lora = getattr(output, "lora_request", None)
-    if lora is not None and versioned_update_id(lora.lora_int_id) is not None:
-        return versioned_update_id(lora.lora_int_id) or 0
+    own = versioned_update_id(lora.lora_int_id) if lora is not None else None
+    if own is not None:
+        return own
     completions = getattr(output, "outputs", None) or [output]
     versions: set[int] = set()
     for completion in completions:

@@ -126,9 +126,12 @@ class Rollouts:
                         asked[rid] = waiter
                     waiting.clear()
                 while not (self._stop.is_set() or self._alone.is_set()) and len(running) < self.concurrency:
-                    index = next(prompts)
                     held = contextlib.ExitStack()
-                    leased, lora = self._version(held)
+                    version = self._version(held)
+                    if version is None:  # a full update is draining the engine: no request starts
+                        break
+                    leased, lora = version
+                    index = next(prompts)
                     rid = f"colosync-rollout-{next(ids)}"
                     prompt = TokensPrompt(prompt_token_ids=list(self.prompts[index]))
                     llm_engine.add_request(rid, prompt, self.params, lora_request=lora)
@@ -164,11 +167,15 @@ class Rollouts:
         if self.on_finish is not None:
             self.on_finish(done)
 
-    def _version(self, held: contextlib.ExitStack) -> tuple[int, Any]:
-        """The version a new request runs on, held in ``held`` until it ends."""
+    def _version(self, held: contextlib.ExitStack) -> tuple[int, Any] | None:
+        """The version a new request runs on, held in ``held`` until it ends; None while none may start."""
         link = self.engine.link
         if link.versions is not None:
-            lease = held.enter_context(link.lease())
+            link.transaction.refuse_unless_serving("generation")
+            leasing = link.versions.try_lease()
+            if leasing is None:
+                return None
+            lease = held.enter_context(leasing)
             return lease.update_id, lease.lora_request
         lora = link.default_lora()
         return (link.lora_update_id if lora is not None else 0), lora

@@ -17,12 +17,14 @@ in this mode generate through a lease (``VllmEngine.lease``, ``VllmServing``), n
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ from colosync.engines.vllm.worker import IN_MEMORY_PATH, VERSIONED_ID_BASE
 from colosync.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
+
+_KEPT = 4096  # published versions remembered for ``lag``
 
 
 def versioned_lora_request(update_id: int) -> Any:
@@ -67,16 +71,28 @@ class Versions:
         self._retiring: set[int] = set()
         self._exclusive = False
         self.last_wait_s = 0.0  # how long the last commit waited for room
+        self._published: list[int] = []  # the versions handed to requests, oldest first (the last _KEPT)
 
     # -- requests ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Lease]:
-        """The served version for one request, held until the request ends."""
+    def lease(self) -> AbstractContextManager[Lease]:
+        """The served version for one request, held until the request ends (waits out a full update)."""
         with self._cond:
             while self._exclusive:  # a full update is draining or being applied
                 self._cond.wait()
-            uid = self.current
-            self._leases[uid] += 1
+            self._leases[self.current] += 1
+            return self._held(self.current)
+
+    def try_lease(self) -> AbstractContextManager[Lease] | None:
+        """``lease``, or None at once while a full update lets no request start: for the thread that drives
+        the engine, which must go on stepping the running requests for that update to drain them."""
+        with self._cond:
+            if self._exclusive:
+                return None
+            self._leases[self.current] += 1
+            return self._held(self.current)
+
+    @contextlib.contextmanager
+    def _held(self, uid: int) -> Iterator[Lease]:
         try:
             yield Lease(uid, versioned_lora_request(uid) if uid else None)
         finally:
@@ -100,6 +116,12 @@ class Versions:
         """Requests running now, by the version they run on."""
         with self._cond:
             return dict(self._leases)
+
+    def lag(self, update_id: int) -> int:
+        """How many versions were published after ``update_id``: the staleness of a sample it produced (0: it
+        ran on the newest)."""
+        with self._cond:
+            return len(self._published) - bisect.bisect_right(self._published, update_id)
 
     def installed(self) -> list[int]:
         """Every version the workers hold now: the served one, superseded ones still running, one being committed."""
@@ -152,6 +174,7 @@ class Versions:
             if not self.pending:
                 return
             old, self.current, self.pending = self.current, self.pending, 0
+            self._published = [*self._published[-_KEPT + 1 :], self.current]
             retire = bool(old) and self._leases[old] == 0
             if old and not retire:
                 self._superseded.add(old)
