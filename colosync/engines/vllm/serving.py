@@ -41,7 +41,7 @@ class VllmServing:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> VllmServing:
-        """A small fp32 engine for local models (the demo's and the tests'), one adapter slot."""
+        """A small fp32 engine for local models (the demo's, the tests', ``bench-async``'s), ``max_loras`` slots."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM's CPU backend reserves most of RAM
         if config.threads:
             cpus = sorted(os.sched_getaffinity(0))
@@ -56,7 +56,7 @@ class VllmServing:
             dtype="float32",
             enable_lora=True,
             max_lora_rank=config.max_lora_rank,
-            max_loras=1,
+            max_loras=config.max_loras,
             enforce_eager=True,
             max_model_len=256,
             worker_extension_cls=WORKER_EXTENSION,

@@ -68,8 +68,6 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_async(args: argparse.Namespace, progress: Any = None) -> AsyncBench:
-    import os
-
     from colosync.testing import make_tiny_llama
 
     modes = [m.strip() for m in args.modes.split(",")]
@@ -78,7 +76,6 @@ def run_async(args: argparse.Namespace, progress: Any = None) -> AsyncBench:
         raise ConfigError(f"--modes takes {', '.join(MODES)}; got {unknown or 'none'}")
     if args.pushes < 1 or args.every < 1 or args.concurrency < 1:
         raise ConfigError("--pushes, --every and --concurrency must each be at least 1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     task = progress.add_task("starting vLLM", total=len(modes) * args.pushes) if progress else None
     with tempfile.TemporaryDirectory(prefix="colosync-bench-async-") as tmp:
         model_dir = make_tiny_llama(Path(tmp) / "tiny-llama", seed=0, hidden_size=128, intermediate_size=256)
@@ -108,22 +105,11 @@ def run_async(args: argparse.Namespace, progress: Any = None) -> AsyncBench:
 
 
 def _start_llm(model_dir: Path, args: argparse.Namespace) -> Any:
-    from vllm import LLM
+    from colosync.engines.config import EngineConfig
+    from colosync.engines.vllm.serving import VllmServing
 
-    from colosync.engines.vllm.worker import WORKER_EXTENSION
-
-    return LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enable_lora=True,
-        max_lora_rank=args.rank,
-        max_loras=2,
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=max(8, args.concurrency + 2),
-        worker_extension_cls=WORKER_EXTENSION,
-    )
+    config = EngineConfig(engine="vllm", model_dir=str(model_dir), max_lora_rank=args.rank, max_loras=2)
+    return VllmServing.from_config(config).llm  # the engine the demo and an engine process serve
 
 
 def run_mode(
