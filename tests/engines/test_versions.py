@@ -7,6 +7,7 @@ its last request has ended, never while a request still runs on it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -84,7 +85,7 @@ def test_a_full_update_waits_for_every_request_and_lets_none_start_until_applied
         with versions.exclusive():
             events.append("applied")
             time.sleep(0.2)
-            versions.reset(0)  # the full update dropped the adapter
+            versions.reset(0, 3)  # the full update (update 3) dropped the adapter
 
     def late_request():
         with versions.lease() as lease:
@@ -102,6 +103,35 @@ def test_a_full_update_waits_for_every_request_and_lets_none_start_until_applied
     late.join(5)
     assert events[0] == "applied" and retired == [1]
     assert events[1] == "request on 0"  # after the update (which dropped the adapter), never during it
+
+
+def test_a_version_that_failed_to_retire_keeps_its_slot_and_is_retried_before_the_next_commit():
+    attempts: list[int] = []
+
+    def retire(uid: int) -> None:
+        attempts.append(uid)
+        if len(attempts) == 1:
+            raise RuntimeError("the workers did not answer")
+
+    versions = Versions(2, retire, room_timeout_s=0.2)
+    committed(versions, 1)
+    committed(versions, 2)  # 1 retires at once, and that fails: it still holds a slot
+    assert versions.installed() == [1, 2]
+    committed(versions, 3)  # tried again first, then there is room
+    assert attempts == [1, 1, 2] and versions.installed() == [3]
+
+
+def test_a_full_update_that_cannot_drain_says_which_requests_hold_it_and_blocks_nothing_after():
+    versions = Versions(2, lambda uid: None, room_timeout_s=0.2)
+    committed(versions, 1)
+    held = contextlib.ExitStack()
+    assert versions.try_lease(held) is not None
+    with pytest.raises(EngineError, match=r"\{1: 1\}"), versions.exclusive():
+        pass
+    assert versions.try_lease(contextlib.ExitStack()) is not None  # new requests start again
+    held.close()
+    versions.reset(0, 7)  # a full update committed as 7, the adapter dropped
+    assert versions.lag(1) == 1 and versions.lag(7) == 0
 
 
 def test_fewer_than_two_versions_is_refused():

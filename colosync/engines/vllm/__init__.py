@@ -3,7 +3,9 @@
 - ``worker``: ``ColosyncWorkerExtension`` (pass ``WORKER_EXTENSION`` as ``LLM(worker_extension_cls=...)``),
   a Receiver in every vLLM worker, and ``VllmTarget``, the ``EngineTarget`` over vLLM's model.
 - ``link``: the links over ``collective_rpc`` and the commit choreography (pause, commit, verify, resume).
-- ``client``: ``VllmEngine`` / ``AsyncVllmEngine``, ``version_of``, ``score_completions``.
+- ``client``: ``VllmEngine`` / ``AsyncVllmEngine``; ``outputs``: ``version_of``, ``score_completions``.
+- ``versions``: the LoRA versions an engine committing beside running requests holds, and their leases;
+  ``rollouts``: ``Rollouts``, a synchronous ``LLM`` kept generating from one thread.
 - ``serving``: ``VllmServing``, Generate/Score over ``LLM.generate`` behind the common ``EngineHost``.
 - ``memory``: vLLM's sleep mode as a handoff participant.
 

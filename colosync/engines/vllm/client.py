@@ -15,15 +15,8 @@ import logging
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from colosync.engines.vllm.link import (
-    AsyncVllmLink,
-    CommitMode,
-    VllmLink,
-    _VllmLinkBase,
-    colosync_lora_request,
-    score_completions,
-    version_of,
-)
+from colosync.engines.vllm.link import AsyncVllmLink, CommitMode, VllmLink, _VllmLinkBase
+from colosync.engines.vllm.outputs import colosync_lora_request, score_completions, version_of
 from colosync.engines.vllm.versions import Lease
 from colosync.engines.vllm.worker import WorkerInfo
 from colosync.errors import EngineError

@@ -36,27 +36,18 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
 from colosync.control.door import codecs
+from colosync.engines.vllm.outputs import colosync_lora_request, score_completions
 from colosync.engines.vllm.versions import Versions, versioned_lora_request
-from colosync.engines.vllm.worker import (
-    ADAPTER_ID,
-    ADAPTER_NAME,
-    IN_MEMORY_PATH,
-    WORKER_EXTENSION,
-    WorkerInfo,
-    versioned_update_id,
-)
+from colosync.engines.vllm.worker import WORKER_EXTENSION, WorkerInfo
 from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError
 from colosync.sync.link import Done
 from colosync.sync.transaction import EngineTransaction
 from colosync.wire.protocol import Ack, Commit, Failed, Probe, Revert, Status, TransactionRequest
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -65,64 +56,6 @@ CommitMode = Literal["wait", "keep", "inflight"]
 place (their later tokens come from the new version), "inflight" lets them finish on their version."""
 
 _INFO = msgspec.msgpack.Decoder(WorkerInfo)
-
-GenerateOne = Callable[[list[int], Any, Any], Any]
-"""``(token_ids, sampling_params, lora_request) -> RequestOutput``: one sequence through vLLM."""
-
-
-def colosync_lora_request() -> LoRARequest:
-    """The ``LoRARequest`` every colosync adapter version is served under."""
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(lora_name=ADAPTER_NAME, lora_int_id=ADAPTER_ID, lora_path=IN_MEMORY_PATH)
-
-
-def version_of(output: Any) -> int:
-    """The ``update_id`` whose weights produced ``output`` (a RequestOutput or CompletionOutput).
-
-    0 means the engine's initial weights. Raises ``EngineError`` if the tokens came from
-    more than one version (only possible with ``commit_mode="keep"``). A request on a LoRA version
-    of its own (``commit_mode="inflight"``) ran on that version alone: its adapter id says which.
-    """
-    lora = getattr(output, "lora_request", None)
-    own = versioned_update_id(lora.lora_int_id) if lora is not None else None
-    if own is not None:
-        return own
-    completions = getattr(output, "outputs", None) or [output]
-    versions: set[int] = set()
-    for completion in completions:
-        spans = getattr(completion, "weight_versions", None)
-        if spans is None:
-            raise EngineError(
-                "this output carries no weight_versions; pass the finished output that "
-                "LLM.generate returned (vLLM sets them on the final output only)"
-            )
-        for span in spans:
-            versions.add(0 if span.version == "default" else int(span.version))
-    if len(versions) > 1:
-        raise EngineError(f"output tokens came from several updates {sorted(versions)}")
-    return versions.pop() if versions else 0
-
-
-def score_completions(
-    generate_one: GenerateOne, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], lora: Any = None
-) -> tuple[list[list[float]], set[int]]:
-    """vLLM's logprob of every completion token given its prompt, and the updates that computed them.
-
-    Prompt logprobs of ``prompt + completion``, one sequence per ``generate_one`` call: vLLM
-    0.32's CPU LoRA path fails on batched prompt logprobs.
-    """
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    result: list[list[float]] = []
-    versions: set[int] = set()
-    for prompt, completion in zip(prompts, completions, strict=True):
-        out = generate_one(list(prompt) + list(completion), params, lora)
-        steps = out.prompt_logprobs[len(prompt) :]
-        result.append([step[t].logprob for step, t in zip(steps, completion, strict=True)])
-        versions.add(version_of(out))
-    return result, versions
 
 
 class _Workers:
@@ -173,6 +106,7 @@ class _VllmLinkBase:
         self.transaction = EngineTransaction(self.workers, self)
         self.versions = Versions(versions_in_flight, self._retire) if commit_mode == "inflight" else None
         self.driver: Any = None  # a ``Rollouts`` loop driving the LLM, which then runs the link's requests
+        self.probe_alone = True  # score a probe in a batch of its own (vLLM 0.32's CPU LoRA path); set by info()
 
     # -- what subclasses provide ------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -243,8 +177,11 @@ class _VllmLinkBase:
             with versions.exclusive():  # a full update: no request runs while the base weights change
                 try:
                     return self._paused(apply)
+                except Exception:
+                    self._refresh()
+                    raise
                 finally:
-                    versions.reset(self.transaction.adapter)
+                    versions.reset(self.transaction.adapter, self.transaction.committed_update_id)
         if isinstance(request, Revert) and not versions.pending:
             raise ConfigError(
                 f"update {request.update_id} is served to new requests already, and with commit_mode='inflight' "
@@ -262,8 +199,8 @@ class _VllmLinkBase:
         waited = 0.0 if reverting else versions.make_room()
         try:
             ack = self.transaction.observe(apply())
-        except DeliveryError:  # the workers found it wrong and reverted it themselves
-            self.transaction.observe(self.workers.handle(Status()))
+        except Exception:  # e.g. the workers found it wrong and reverted it themselves: what do they serve?
+            self._refresh()
             raise
         finally:
             if reverting:
@@ -271,6 +208,13 @@ class _VllmLinkBase:
         if not reverting:
             versions.staged(ack.adapter)
         return msgspec.structs.replace(ack, waited_s=waited) if waited else ack
+
+    def _refresh(self) -> None:
+        """What the workers serve now, after a failure (best effort: the failure is what gets raised)."""
+        try:
+            self.transaction.observe(self.workers.handle(Status()))
+        except Exception:
+            log.exception("colosync: could not read what the vLLM workers serve after a failed switch")
 
     def publish(self, ack: Ack) -> None:
         if self.versions is not None:
@@ -309,7 +253,8 @@ class _VllmLinkBase:
             self.transaction.refuse_unless_serving("to score the probe")
             uid = self.versions.probe_version()
             lora = versioned_lora_request(uid) if uid else None
-        with self.driver.alone() if self.driver is not None else contextlib.nullcontext():  # (``Rollouts.alone``)
+        alone = self.driver is not None and self.probe_alone  # (``Rollouts.alone``)
+        with self.driver.alone() if alone else contextlib.nullcontext():
             return self.score(probe.prompts, probe.completions, lora)
 
     # -- Link -------------------------------------------------------------------------------
@@ -345,6 +290,7 @@ class _VllmLinkBase:
                 ) from exc
             raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
         infos = [_INFO.decode(bytes(r)) for r in replies]
+        self.probe_alone = any(i.device == "cpu" for i in infos)
         if self.versions is not None:
             infos = self._keep_versions(infos)
         self.transaction.status()  # what the workers serve now
@@ -378,6 +324,11 @@ class VllmLink(_VllmLinkBase):
         self.llm = llm
         self._engine_core = llm.llm_engine.engine_core
         self._can_pause = _serialize_client_sends(self._engine_core)
+        if commit_mode == "inflight" and not self._can_pause:
+            raise ConfigError(
+                "commit_mode='inflight' commits while another thread generates, which an in-process vLLM engine "
+                "core cannot do: run the engine core in its own process (leave VLLM_ENABLE_V1_MULTIPROCESSING on)"
+            )
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)

@@ -75,8 +75,10 @@ class Rollouts:
 
     def generate_one(self, token_ids: list[int], params: Any, lora: Any, timeout_s: float = 300.0) -> Any:
         """One request through this loop, beside the rollouts; returns its final ``RequestOutput``."""
+        if self.error is not None:
+            raise EngineError(f"the rollout loop died ({type(self.error).__name__}: {self.error}); call stop()")
         if not self._thread.is_alive() or self._stop.is_set():
-            raise EngineError("the rollout loop is not running: generate through the LLM itself")
+            raise EngineError("the rollout loop is stopping or stopped: generate through the LLM itself")
         waiter: Future[Any] = Future()
         self._asked.put((token_ids, params, lora, waiter))
         return waiter.result(timeout_s)
@@ -85,10 +87,10 @@ class Rollouts:
         """Add no more requests, let the running ones finish, and return every finished one; raises what broke it."""
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still driving the engine: it stays the link's driver
+            raise EngineError(f"the rollout thread did not finish its requests within {timeout_s:g} s")
         if getattr(self.engine.link, "driver", None) is self:
             self.engine.link.driver = None
-        if self._thread.is_alive():
-            raise EngineError(f"the rollout thread did not finish its requests within {timeout_s:g} s")
         if self.error is not None:
             raise self.error
         return self.finished
@@ -128,13 +130,17 @@ class Rollouts:
                 while not (self._stop.is_set() or self._alone.is_set()) and len(running) < self.concurrency:
                     held = contextlib.ExitStack()
                     version = self._version(held)
-                    if version is None:  # a full update is draining the engine: no request starts
+                    if version is None:  # a full update drains the engine, or it fails closed: none starts
                         break
                     leased, lora = version
                     index = next(prompts)
                     rid = f"colosync-rollout-{next(ids)}"
                     prompt = TokensPrompt(prompt_token_ids=list(self.prompts[index]))
-                    llm_engine.add_request(rid, prompt, self.params, lora_request=lora)
+                    try:
+                        llm_engine.add_request(rid, prompt, self.params, lora_request=lora)
+                    except BaseException:
+                        held.close()
+                        raise
                     running[rid] = (index, leased, time.perf_counter(), held)
                 if not running and not asked:
                     if self._stop.is_set() and self._asked.empty():
@@ -149,12 +155,12 @@ class Rollouts:
         except BaseException as exc:  # surfaced by stop()
             log.exception("colosync: the rollout thread failed")
             self.error = exc
+            with contextlib.suppress(Exception):  # first: a version must not retire under a running request
+                llm_engine.abort_request([*running, *asked])
             for _, _, _, held in running.values():
                 held.close()
             for waiter in [*asked.values(), *(w[3] for w in waiting)]:
                 waiter.set_exception(exc)
-            with contextlib.suppress(Exception):
-                llm_engine.abort_request([*running, *asked])
         while not self._asked.empty():  # asked after the loop's last look: nobody will run them
             self._asked.get()[3].set_exception(EngineError("the rollout loop stopped before this request ran"))
 
@@ -170,13 +176,11 @@ class Rollouts:
     def _version(self, held: contextlib.ExitStack) -> tuple[int, Any] | None:
         """The version a new request runs on, held in ``held`` until it ends; None while none may start."""
         link = self.engine.link
+        if not link.transaction.serving:  # failed closed: no request starts until an update commits
+            return None
         if link.versions is not None:
-            link.transaction.refuse_unless_serving("generation")
-            leasing = link.versions.try_lease()
-            if leasing is None:
-                return None
-            lease = held.enter_context(leasing)
-            return lease.update_id, lease.lora_request
+            lease = link.versions.try_lease(held)
+            return (lease.update_id, lease.lora_request) if lease is not None else None
         lora = link.default_lora()
         return (link.lora_update_id if lora is not None else 0), lora
 

@@ -24,7 +24,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,34 +68,38 @@ class Versions:
         self._leases: Counter[int] = Counter()
         self._superseded: set[int] = set()  # installed, no longer current, leases may still run on them
         self._retiring: set[int] = set()
+        self._stuck: set[int] = set()  # superseded versions whose retirement failed: still in a slot, retried
         self._exclusive = False
         self.last_wait_s = 0.0  # how long the last commit waited for room
         self._published: list[int] = []  # the versions handed to requests, oldest first (the last _KEPT)
 
     # -- requests ---------------------------------------------------------------------------
-    def lease(self) -> AbstractContextManager[Lease]:
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Lease]:
         """The served version for one request, held until the request ends (waits out a full update)."""
         with self._cond:
             while self._exclusive:  # a full update is draining or being applied
                 self._cond.wait()
-            self._leases[self.current] += 1
-            return self._held(self.current)
-
-    def try_lease(self) -> AbstractContextManager[Lease] | None:
-        """``lease``, or None at once while a full update lets no request start: for the thread that drives
-        the engine, which must go on stepping the running requests for that update to drain them."""
-        with self._cond:
-            if self._exclusive:
-                return None
-            self._leases[self.current] += 1
-            return self._held(self.current)
-
-    @contextlib.contextmanager
-    def _held(self, uid: int) -> Iterator[Lease]:
+            uid = self._take()
         try:
             yield Lease(uid, versioned_lora_request(uid) if uid else None)
         finally:
             self._release(uid)
+
+    def try_lease(self, held: contextlib.ExitStack) -> Lease | None:
+        """``lease`` entered into ``held`` (released when it closes), or None at once while a full update lets
+        no request start: for the thread that drives the engine, which must go on stepping the running
+        requests for that update to drain them."""
+        with self._cond:
+            if self._exclusive:
+                return None
+            uid = self._take()
+        held.callback(self._release, uid)
+        return Lease(uid, versioned_lora_request(uid) if uid else None)
+
+    def _take(self) -> int:
+        self._leases[self.current] += 1
+        return self.current
 
     def _release(self, uid: int) -> None:
         with self._cond:
@@ -118,32 +121,37 @@ class Versions:
             return dict(self._leases)
 
     def lag(self, update_id: int) -> int:
-        """How many versions were published after ``update_id``: the staleness of a sample it produced (0: it
-        ran on the newest)."""
+        """How many versions were published after ``update_id`` (LoRA versions and full updates): the staleness
+        of a sample it produced (0: it ran on the newest)."""
         with self._cond:
             return len(self._published) - bisect.bisect_right(self._published, update_id)
 
     def installed(self) -> list[int]:
         """Every version the workers hold now: the served one, superseded ones still running, one being committed."""
         with self._cond:
-            return sorted({self.current, self.pending, *self._superseded, *self._retiring} - {0})
+            return sorted({self.current, self.pending, *self._superseded, *self._retiring, *self._stuck} - {0})
 
     # -- commits (one at a time: the engine's transaction lock) -----------------------------
     def make_room(self) -> float:
         """Wait until one more version fits (``limit``); returns the seconds waited."""
+        for uid in sorted(self._stuck):  # a retirement that failed before: try again
+            self._retire_now(uid)
         started = time.perf_counter()
         deadline = time.monotonic() + self.room_timeout_s
         waited = False
         with self._cond:
-            while len({self.current, *self._superseded, *self._retiring} - {0}) + 1 > self.limit:
+            while len({self.current, *self._superseded, *self._retiring, *self._stuck} - {0}) + 1 > self.limit:
                 waited = True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    running = {uid: self._leases[uid] for uid in sorted(self._superseded)}
+                    running = {uid: self._leases[uid] for uid in sorted(self._superseded | self._retiring)}
+                    stuck = f"; versions {sorted(self._stuck)} could not be retired (the log says why)" * bool(
+                        self._stuck
+                    )
                     raise EngineError(
                         f"no room for another LoRA version: {self.limit} are installed and requests still run on "
-                        f"superseded ones {running} (update: requests) after {self.room_timeout_s:g} s; let them "
-                        "finish, or start the engine with more versions_in_flight (and vLLM max_loras)"
+                        f"superseded ones {running} (update: requests) after {self.room_timeout_s:g} s{stuck}; let "
+                        "them finish, or start the engine with more versions_in_flight (and vLLM max_loras)"
                     )
                 self._cond.wait(left)
         seconds = time.perf_counter() - started if waited else 0.0
@@ -187,13 +195,25 @@ class Versions:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """No request runs inside: wait for every lease to end, retire every superseded version, let none start."""
+        deadline = time.monotonic() + self.room_timeout_s
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True
             while sum(self._leases.values()):
-                self._cond.wait()
-            superseded, self._superseded = sorted(self._superseded), set()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    running = dict(self._leases)
+                    self._exclusive = False
+                    self._cond.notify_all()
+                    raise EngineError(
+                        f"a full update waits for every running request to end, and after {self.room_timeout_s:g} s "
+                        f"requests still hold versions {running} (update: requests); end them (a lease is released "
+                        "when its `with` block ends), then push again"
+                    )
+                self._cond.wait(left)
+            superseded, self._superseded = sorted(self._superseded | self._stuck), set()
+            self._stuck.clear()
             self._retiring.update(superseded)
         try:
             for uid in superseded:
@@ -204,19 +224,27 @@ class Versions:
                 self._exclusive = False
                 self._cond.notify_all()
 
-    def reset(self, update_id: int) -> None:
-        """After a full update: the workers serve ``update_id``'s adapter (0: none) and nothing else."""
+    def reset(self, adapter: int, committed: int) -> None:
+        """After a full update: the workers serve ``adapter``'s LoRA (0: none) on the weights of ``committed``."""
         with self._cond:
-            self.current, self.pending = update_id, 0
+            self.current, self.pending = adapter, 0
+            if not self._published or committed > self._published[-1]:
+                self._published = [*self._published[-_KEPT + 1 :], committed]
 
     def _retire_now(self, uid: int) -> None:
+        failed = False
         try:
             self._retire(uid)
-        except Exception:  # it still takes a slot; the next commit may then wait for room
+        except Exception:  # it still takes a slot: counted, and tried again before the next commit
             log.exception("colosync: could not retire LoRA version %d", uid)
+            failed = True
         finally:
             with self._cond:
                 self._retiring.discard(uid)
+                if failed:
+                    self._stuck.add(uid)
+                else:
+                    self._stuck.discard(uid)
                 self._cond.notify_all()
 
 

@@ -100,7 +100,7 @@ def run_async(args: argparse.Namespace, progress: Any = None) -> AsyncBench:
         machine=header["machine"],
         config=config,
         results=results,
-        notes=["tokens/s over the pushing window: from the first push to the last request's end"],
+        notes=["tokens/s over the window: from the first rollout to the last one's end, every push inside it"],
     )
 
 
@@ -132,7 +132,6 @@ def run_mode(
     prompts = [[1, *torch.randint(3, 500, (n,), generator=g).tolist()] for n in (6, 11, 17, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     trainer = random_lora(load_model(model_dir), rank=args.rank, alpha=2.0 * args.rank, targets=LORA_TARGETS, seed=1)
-    llm.collective_rpc("colosync_keep_versions", args=(mode == "inflight",))
     commit_mode = "wait" if mode == BASELINE else mode
     engine = VllmEngine(llm, commit_mode=commit_mode)  # type: ignore[arg-type]  # checked against MODES above
     refs: dict[int, list[list[int]]] = {}
