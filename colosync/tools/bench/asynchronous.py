@@ -30,7 +30,7 @@ import msgspec
 
 from colosync.errors import ConfigError
 from colosync.tools.bench.machine import run_header
-from colosync.tools.bench.output import run_and_report
+from colosync.tools.bench.output import add_output_arguments, run_and_report
 from colosync.tools.subcommand import add_subcommand
 
 MODES = ("wait", "inflight")
@@ -231,6 +231,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests kept in vLLM at all times (default 4)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens each request generates (default 48)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
-    parser.set_defaults(func=_run, argv=None)
+    add_output_arguments(parser, _run)

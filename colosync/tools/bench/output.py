@@ -18,6 +18,13 @@ import msgspec
 from colosync.errors import ColosyncError
 
 
+def add_output_arguments(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int]) -> None:
+    """``--json`` and ``--out``, which ``run_and_report`` reads, and ``run`` as the subcommand."""
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    parser.set_defaults(func=run, argv=None)
+
+
 def run_and_report(
     command: str,
     args: argparse.Namespace,
@@ -52,4 +59,4 @@ def run_and_report(
     return 0 if all(r.verified is not False for r in result.results) else 1
 
 
-__all__ = ["run_and_report"]
+__all__ = ["add_output_arguments", "run_and_report"]

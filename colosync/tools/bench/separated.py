@@ -29,7 +29,7 @@ import msgspec
 from colosync import workloads
 from colosync.errors import ConfigError
 from colosync.tools.bench.machine import run_header
-from colosync.tools.bench.output import run_and_report
+from colosync.tools.bench.output import add_output_arguments, run_and_report
 from colosync.tools.bench.sync import PathResult, Workload, _stats, _timed, load_sync_workload, make_tensors
 from colosync.tools.subcommand import add_subcommand
 
@@ -282,6 +282,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed updates per path (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates per path first (default 2)")
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, a GPU per process)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
-    parser.set_defaults(func=_run, argv=None)
+    add_output_arguments(parser, _run)
