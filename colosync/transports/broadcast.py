@@ -24,6 +24,7 @@ import datetime
 import logging
 import socket
 import threading
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -67,15 +68,33 @@ class _Group:
         self._closed = False
         # Not a daemon: a thread inside torch's group constructor cannot be stopped, and one that
         # returns while the interpreter is shutting down aborts the process ("terminate called
-        # without an active exception"). So the process's exit waits for a group still forming, at
-        # most its join timeout.
+        # without an active exception"). So it enters the constructor only once every rank has
+        # opened the handle (until then ``close`` ends it at once), and the process's exit waits for
+        # a group still forming, at most its join timeout.
         self._thread = threading.Thread(target=self._join, name=f"colosync-broadcast-join-{rank}", daemon=False)
         self._thread.start()
 
+    def _every_rank_opened(self) -> float:
+        """Wait until every rank has taken its rank from the store; returns the seconds left of the timeout.
+
+        Raises ``TransportError`` when closed first, ``GroupJoinError`` (through ``get``) at the timeout."""
+        h = self.handle
+        deadline = time.monotonic() + h.timeout_s
+        pause = 0.002
+        while int(self.store.add(_RANKS, 0)) + 1 < h.world_size:
+            if self._closed:
+                raise TransportError("closed before every rank opened the handle")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"not every rank opened the handle within {h.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return max(deadline - time.monotonic(), 1.0)
+
     def _join(self) -> None:
-        h, timeout = self.handle, datetime.timedelta(seconds=self.handle.timeout_s)
+        h = self.handle
         made: list[Any] = []  # the group, held in a list so that no local name keeps it alive
         try:
+            timeout = datetime.timedelta(seconds=self._every_rank_opened())
             if h.backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout

@@ -38,3 +38,22 @@ def test_a_process_that_exits_while_its_group_is_forming_exits_cleanly():
     assert "terminate called" not in child.stderr
     assert "exiting" in child.stdout
     assert time.monotonic() - started < 30  # waited for the join timeout, not for ever
+
+
+_CLOSED_BEFORE_ANYONE_CAME = """
+import torch
+from colosync.transports.base import Peers
+from colosync.transports.broadcast import BroadcastSender
+
+sender = BroadcastSender.create(1024, 2, torch.device("cpu"), Peers(receivers=2, join_timeout_s=60.0))
+sender.close()  # no engine opened its handle (an Attach that failed, say): nobody will come
+"""
+
+
+def test_a_group_closed_before_every_rank_opened_its_handle_does_not_hold_the_exit():
+    started = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-c", _CLOSED_BEFORE_ANYONE_CAME], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert time.monotonic() - started < 30  # not the group's 60 s timeout
