@@ -151,8 +151,8 @@ def run_mode(
         try:
             window = time.perf_counter()
             for i in range(args.pushes):
-                while len(rollouts.finished) < (i + 1) * args.every:
-                    time.sleep(0.002)
+                while len(rollouts.finished) < (i + 1) * args.every and rollouts.error is None:
+                    time.sleep(0.002)  # (a rollout loop that died raises in stop())
                 if mode != BASELINE:
                     push(101 + i)
                 if progress:
