@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +55,10 @@ class Rollouts:
         prompts: Sequence[Sequence[int]],
         params: Any,
         concurrency: int = 8,
-        on_finish: Callable[[Rollout], None] | None = None,
     ) -> None:
         if concurrency < 1 or not prompts:
             raise EngineError(f"Rollouts needs prompts and concurrency >= 1, got {len(prompts)}, {concurrency}")
         self.engine, self.prompts, self.params, self.concurrency = engine, prompts, params, concurrency
-        self.on_finish = on_finish
         self.finished: list[Rollout] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -170,8 +168,6 @@ class Rollouts:
             index, leased, self.engine.version_of(out), list(out.outputs[0].token_ids), started, time.perf_counter()
         )
         self.finished.append(done)
-        if self.on_finish is not None:
-            self.on_finish(done)
 
     def _version(self, held: contextlib.ExitStack) -> tuple[int, Any] | None:
         """The version a new request runs on, held in ``held`` until it ends; None while none may start."""

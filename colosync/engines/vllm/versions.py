@@ -70,7 +70,6 @@ class Versions:
         self._retiring: set[int] = set()
         self._stuck: set[int] = set()  # superseded versions whose retirement failed: still in a slot, retried
         self._exclusive = False
-        self.last_wait_s = 0.0  # how long the last commit waited for room
         self._published: list[int] = []  # the versions handed to requests, oldest first (the last _KEPT)
 
     # -- requests ---------------------------------------------------------------------------
@@ -155,7 +154,6 @@ class Versions:
                     )
                 self._cond.wait(left)
         seconds = time.perf_counter() - started if waited else 0.0
-        self.last_wait_s = seconds
         if waited:
             log.info("colosync: the commit waited %.3f s for a LoRA version to retire", seconds)
         return seconds
