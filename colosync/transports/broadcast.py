@@ -71,17 +71,21 @@ class _Group:
         # without an active exception"). So it enters the constructor only once every rank has
         # opened the handle (until then ``close`` ends it at once), and the process's exit waits for
         # a group still forming, at most its join timeout.
-        self._thread = threading.Thread(target=self._join, name=f"colosync-broadcast-join-{rank}", daemon=False)
+        # The thread holds the store by an argument of its own: ``close`` drops ``self.store``, and a
+        # ``None`` that reached torch's constructor would be taken as a null store and crash the process.
+        self._thread = threading.Thread(
+            target=self._join, args=(store,), name=f"colosync-broadcast-join-{rank}", daemon=False
+        )
         self._thread.start()
 
-    def _every_rank_opened(self) -> float:
+    def _every_rank_opened(self, store: Any) -> float:
         """Wait until every rank has taken its rank from the store; returns the seconds left of the timeout.
 
         Raises ``TransportError`` when closed first, ``GroupJoinError`` (through ``get``) at the timeout."""
         h = self.handle
         deadline = time.monotonic() + h.timeout_s
         pause = 0.002
-        while int(self.store.add(_RANKS, 0)) + 1 < h.world_size:
+        while int(store.add(_RANKS, 0)) + 1 < h.world_size:
             if self._closed:
                 raise TransportError("closed before every rank opened the handle")
             if time.monotonic() >= deadline:
@@ -90,21 +94,21 @@ class _Group:
             pause = min(pause * 2, 0.05)
         return max(deadline - time.monotonic(), 1.0)
 
-    def _join(self) -> None:
+    def _join(self, store: Any) -> None:
         h = self.handle
         made: list[Any] = []  # the group, held in a list so that no local name keeps it alive
         try:
-            timeout = datetime.timedelta(seconds=self._every_rank_opened())
+            timeout = datetime.timedelta(seconds=self._every_rank_opened(store))
             if h.backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 with torch.cuda.device(self.device):
-                    made.append(dist.ProcessGroupNCCL(self.store, self.rank, h.world_size, options))
+                    made.append(dist.ProcessGroupNCCL(store, self.rank, h.world_size, options))
                     # NCCL connects lazily; connect now, so a rank that never comes is GroupJoinError here
                     # rather than a hang in the first send
                     made[0].eager_connect_single_device(self.device)
             else:
-                made.append(dist.ProcessGroupGloo(self.store, self.rank, h.world_size, timeout))
+                made.append(dist.ProcessGroupGloo(store, self.rank, h.world_size, timeout))
         except BaseException as exc:  # reported by ``get``, where a caller can act on it
             self._error = exc
             _leave(made)

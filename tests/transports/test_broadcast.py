@@ -57,3 +57,34 @@ def test_a_group_closed_before_every_rank_opened_its_handle_does_not_hold_the_ex
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert time.monotonic() - started < 30  # not the group's 60 s timeout
+
+
+# ``close`` lands just after every rank opened the handle and just before the thread enters torch's
+# constructor: the moment a sender that finished an update with no bytes (or an aborted one) closes.
+_CLOSED_AS_THE_GROUP_FORMS = """
+import torch
+from colosync.transports import broadcast
+from colosync.transports.base import Peers
+
+opened = broadcast._Group._every_rank_opened
+
+def then_close(self, *store):
+    left = opened(self, *store)
+    self.close()
+    return left
+
+broadcast._Group._every_rank_opened = then_close
+sender = broadcast.BroadcastSender.create(1024, 2, torch.device("cpu"), Peers(receivers=1, join_timeout_s=30.0))
+receiver = broadcast.BroadcastReceiver.open(sender.handle(), torch.device("cpu"))
+print("exiting", flush=True)
+"""
+
+
+def test_a_group_closed_as_it_forms_exits_cleanly():
+    started = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-c", _CLOSED_AS_THE_GROUP_FORMS], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert child.returncode == 0, f"exit status {child.returncode}:\n{child.stderr[-2000:]}"
+    assert "exiting" in child.stdout
+    assert time.monotonic() - started < 20  # both ranks formed the group and left it, no join timeout
