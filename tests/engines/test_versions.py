@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from colosync.engines.vllm.versions import Versions
+from colosync.engines.vllm.versions import Slots, Versions
 from colosync.engines.vllm.worker import VERSIONED_ID_BASE, versioned_update_id
 from colosync.errors import ConfigError, EngineError
 
@@ -137,3 +137,27 @@ def test_a_full_update_that_cannot_drain_says_which_requests_hold_it_and_blocks_
 def test_fewer_than_two_versions_is_refused():
     with pytest.raises(ConfigError, match="at least 2"):
         Versions(1, lambda uid: None)
+
+
+def test_adapters_sharing_the_slots_wait_for_each_other_and_a_reserved_slot_counts():
+    """Named adapters' commits run at once: the slot one made room for is taken until it installs or fails."""
+    slots = Slots()
+    slots.total = 3
+    retired: list[int] = []
+    a, b, c = (Versions(2, retired.append, room_timeout_s=0.3, slots=slots, name=n) for n in "abc")
+    committed(a, 1)
+    a.make_room()  # a's next version is on its way
+    b.make_room()  # b's first: the last free slot, reserved
+    with pytest.raises(EngineError, match=r"no free LoRA slot for adapter 'c'.*all 3 .*a: versions \[1\]"):
+        c.make_room()
+    a.unreserve()  # a's commit failed: its slot is free again
+    b.staged(1)
+    b.publish()
+    with a.lease():
+        committed(a, 2)  # a's version 1 runs on: a holds 1 and 2, b holds 1, no slot is free
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="no free LoRA slot for adapter 'c'"):
+            c.make_room()
+        assert time.monotonic() - started >= 0.25  # it waited for a retirement before it gave up
+    c.make_room()  # a's version 1 retired with its last request: room for c
+    assert retired == [1] and (a.installed(), b.installed()) == ([2], [1])

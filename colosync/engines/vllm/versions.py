@@ -43,6 +43,33 @@ def versioned_lora_request(update_id: int) -> Any:
     return LoRARequest(lora_name=f"colosync-u{update_id}", lora_int_id=uid, lora_path=IN_MEMORY_PATH)
 
 
+class Slots:
+    """vLLM's ``max_loras`` adapter slots, shared by the default adapter's versions and every named adapter's.
+
+    Every ``Versions`` of one engine waits on this one condition, so a version retired by one adapter
+    makes room for a commit of another. ``total`` is None until the workers said how many they have."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.total: int | None = None
+        self.members: list[Versions] = []
+        self.fixed: Callable[[], int] = lambda: 0  # slots held outside any ``Versions`` (a stable-id adapter)
+
+    def held(self) -> int:
+        """Slots taken now (call with ``cond`` held)."""
+        return self.fixed() + sum(m._taken() for m in self.members)
+
+    def full(self) -> bool:
+        return self.total is not None and self.held() + 1 > self.total
+
+    def describe(self) -> str:
+        """Which adapter holds which versions, for an error."""
+        with self.cond:
+            held = {m.name or "(default)": sorted(m._holding()) for m in self.members if m._holding()}
+        fixed = ["(default): its stable-id adapter"] if self.fixed() else []
+        return ", ".join([*fixed, *(f"{name}: versions {uids}" for name, uids in held.items())]) or "none"
+
+
 @dataclass(frozen=True)
 class Lease:
     """One request's version: generate with ``lora_request`` (None: the base weights, no adapter served)."""
@@ -54,7 +81,15 @@ class Lease:
 class Versions:
     """The installed LoRA versions and their leases; ``retire(update_id)`` removes one from the workers."""
 
-    def __init__(self, limit: int, retire: Callable[[int], None], room_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        limit: int,
+        retire: Callable[[int], None],
+        room_timeout_s: float = 600.0,
+        slots: Slots | None = None,
+        name: str = "",
+        request_of: Callable[[int], Any] = versioned_lora_request,
+    ) -> None:
         if limit < 2:
             raise ConfigError(
                 f"versions_in_flight must be at least 2 (the served version and the one being committed), got {limit}"
@@ -62,7 +97,11 @@ class Versions:
         self.limit = limit
         self.room_timeout_s = room_timeout_s
         self._retire = retire
-        self._cond = threading.Condition()
+        self.name = name  # the named adapter these are versions of ("": the default one)
+        self.request_of = request_of  # update id -> the LoRARequest of its version
+        self.slots = slots or Slots()
+        self.slots.members.append(self)
+        self._cond = self.slots.cond
         self.current = 0  # the served version (0: none); what a new lease gets
         self.pending = 0  # committed on the workers, not yet verified: served to nobody yet
         self._leases: Counter[int] = Counter()
@@ -70,6 +109,7 @@ class Versions:
         self._retiring: set[int] = set()
         self._stuck: set[int] = set()  # superseded versions whose retirement failed: still in a slot, retried
         self._exclusive = False
+        self._reserved = False  # a commit made room and has not installed (or failed) yet: its slot is taken
         self._published: list[int] = []  # the versions handed to requests, oldest first (the last _KEPT)
 
     # -- requests ---------------------------------------------------------------------------
@@ -81,7 +121,7 @@ class Versions:
                 self._cond.wait()
             uid = self._take()
         try:
-            yield Lease(uid, versioned_lora_request(uid) if uid else None)
+            yield Lease(uid, self.request_of(uid) if uid else None)
         finally:
             self._release(uid)
 
@@ -94,7 +134,7 @@ class Versions:
                 return None
             uid = self._take()
         held.callback(self._release, uid)
-        return Lease(uid, versioned_lora_request(uid) if uid else None)
+        return Lease(uid, self.request_of(uid) if uid else None)
 
     def _take(self) -> int:
         self._leases[self.current] += 1
@@ -128,18 +168,26 @@ class Versions:
     def installed(self) -> list[int]:
         """Every version the workers hold now: the served one, superseded ones still running, one being committed."""
         with self._cond:
-            return sorted({self.current, self.pending, *self._superseded, *self._retiring, *self._stuck} - {0})
+            return sorted({self.pending, *self._holding()} - {0})
+
+    def _holding(self) -> set[int]:
+        return {self.current, *self._superseded, *self._retiring, *self._stuck} - {0}
+
+    def _taken(self) -> int:
+        """Slots this adapter takes now, a commit's reserved one included (call with ``_cond`` held)."""
+        return len(self._holding() | {self.pending} - {0}) + self._reserved
 
     # -- commits (one at a time: the engine's transaction lock) -----------------------------
     def make_room(self) -> float:
-        """Wait until one more version fits (``limit``); returns the seconds waited."""
+        """Wait until one more version fits (``limit`` and the engine's free slots) and reserve its slot until
+        ``staged`` or ``unreserve``; returns the seconds waited."""
         for uid in sorted(self._stuck):  # a retirement that failed before: try again
             self._retire_now(uid)
         started = time.perf_counter()
         deadline = time.monotonic() + self.room_timeout_s
         waited = False
         with self._cond:
-            while len({self.current, *self._superseded, *self._retiring, *self._stuck} - {0}) + 1 > self.limit:
+            while len(self._holding()) + 1 > self.limit or self.slots.full():
                 waited = True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -147,12 +195,19 @@ class Versions:
                     stuck = f"; versions {sorted(self._stuck)} could not be retired (the log says why)" * bool(
                         self._stuck
                     )
+                    if self.slots.full():
+                        raise EngineError(
+                            f"no free LoRA slot for adapter {self.name or '(default)'!r}: all {self.slots.total} of "
+                            f"vLLM's max_loras are held ({self.slots.describe()}) after {self.room_timeout_s:g} s; let "
+                            "the requests on superseded versions finish, or start the engine with a larger max_loras"
+                        )
                     raise EngineError(
                         f"no room for another LoRA version: {self.limit} are installed and requests still run on "
                         f"superseded ones {running} (update: requests) after {self.room_timeout_s:g} s{stuck}; let "
                         "them finish, or start the engine with more versions_in_flight (and vLLM max_loras)"
                     )
                 self._cond.wait(left)
+            self._reserved = True  # until staged or unreserved: another adapter's commit cannot take this slot
         seconds = time.perf_counter() - started if waited else 0.0
         if waited:
             log.info("colosync: the commit waited %.3f s for a LoRA version to retire", seconds)
@@ -162,12 +217,21 @@ class Versions:
         """The workers committed ``update_id``'s adapter (0: they serve none): verification may score it."""
         with self._cond:
             self.pending = update_id if update_id != self.current else 0
+            self._reserved = False
+            self._cond.notify_all()
+
+    def unreserve(self) -> None:
+        """The commit that made room failed: its slot is free again."""
+        with self._cond:
+            self._reserved = False
+            self._cond.notify_all()
 
     def reverted(self, update_id: int) -> None:
         """The workers reverted the pending version and serve ``update_id``'s adapter again."""
         with self._cond:
             self.pending = 0
             self.current = update_id
+            self._cond.notify_all()
 
     def probe_version(self) -> int:
         """The version a probe scores: the one just committed, else the served one."""
@@ -246,4 +310,4 @@ class Versions:
                 self._cond.notify_all()
 
 
-__all__ = ["Lease", "Versions", "versioned_lora_request"]
+__all__ = ["Lease", "Slots", "Versions", "versioned_lora_request"]
