@@ -79,7 +79,7 @@ def _start_llm(model_dir: Path, tp: int, **options: int):
             dtype="float32",
             enable_lora=True,
             max_lora_rank=MAX_LORA_RANK,
-            max_loras=2,  # commit_mode="inflight" holds two versions at once (test_vllm_inflight)
+            max_loras=3,  # two versions at once (test_vllm_inflight), two named adapters (test_vllm_lanes)
             enforce_eager=True,
             tensor_parallel_size=tp,
             worker_extension_cls=WORKER_EXTENSION,

@@ -15,6 +15,7 @@ import logging
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from colosync.engines.vllm.lanes import VllmLane
 from colosync.engines.vllm.link import AsyncVllmLink, CommitMode, VllmLink, _VllmLinkBase
 from colosync.engines.vllm.outputs import colosync_lora_request, score_completions, version_of
 from colosync.engines.vllm.versions import Lease
@@ -76,6 +77,15 @@ class _EngineClient:
         if self.link.versions is None:
             raise EngineError("lag() counts versions published beside running requests: use commit_mode='inflight'")
         return self.link.versions.lag(update_id)
+
+    def lane(self, name: str) -> VllmLane:
+        """Named adapter ``name``: its own versions, committed beside running requests and the other adapters.
+
+        >>> sender = Sender(engine.lane("policy"))
+        >>> with engine.lane("policy").lease() as lease:
+        ...     outs = llm.generate(prompts, params, lora_request=lease.lora_request)
+        """
+        return self.link.lane(name)
 
     version_of = staticmethod(version_of)
 

@@ -41,11 +41,11 @@ from typing import Any, Literal
 import msgspec
 
 from colosync.control.door import codecs
+from colosync.engines.vllm.lanes import Submits, VllmLane, check_adapter_name, commit_beside, committing_lora
 from colosync.engines.vllm.outputs import colosync_lora_request, score_completions
-from colosync.engines.vllm.versions import Versions, versioned_lora_request
+from colosync.engines.vllm.versions import Slots, Versions, versioned_lora_request
 from colosync.engines.vllm.worker import WORKER_EXTENSION, WorkerInfo
-from colosync.errors import ColosyncError, ConfigError, DeliveryError, EngineError
-from colosync.sync.link import Done
+from colosync.errors import AdapterSlotsError, ConfigError, DeliveryError, EngineError
 from colosync.sync.transaction import EngineTransaction
 from colosync.wire.protocol import Ack, Commit, Failed, Probe, Revert, Status, TransactionRequest
 
@@ -59,14 +59,18 @@ _INFO = msgspec.msgpack.Decoder(WorkerInfo)
 
 
 class _Workers:
-    """The Receivers in vLLM's workers as one: every message to every worker, and all must agree."""
+    """The Receivers in vLLM's workers as one (of the named adapter ``adapter``, "" the default): every message
+    to every worker, and all must agree."""
 
-    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
+    def __init__(self, rpc: Callable[..., list[Any]], adapter: str = "") -> None:
         self._rpc = rpc
+        self._adapter = adapter
         self._requests, self._replies = codecs()
 
     def handle(self, request: TransactionRequest) -> Ack:
-        replies = [self._replies.decode(bytes(r)) for r in self._rpc("colosync_handle", self._requests.encode(request))]
+        args = (self._requests.encode(request), self._adapter) if self._adapter else (self._requests.encode(request),)
+        sent = self._rpc("colosync_handle", *args)
+        replies = [self._replies.decode(bytes(r)) for r in sent]
         if not replies:
             raise EngineError("collective_rpc returned no worker replies; is the engine running?")
         for reply in replies:
@@ -87,7 +91,7 @@ class _Workers:
         pass
 
 
-class _VllmLinkBase:
+class _VllmLinkBase(Submits):
     """``colosync.sync.link.Link`` over ``collective_rpc``; subclasses say how to reach vLLM.
 
     The engine's ``EngineTransaction`` lives here, in front of the workers' Receivers, and this
@@ -104,7 +108,12 @@ class _VllmLinkBase:
         self.pause_mode = "wait" if commit_mode == "inflight" else commit_mode
         self.workers = _Workers(self._rpc)
         self.transaction = EngineTransaction(self.workers, self)
-        self.versions = Versions(versions_in_flight, self._retire) if commit_mode == "inflight" else None
+        self.slots = Slots()  # vLLM's max_loras, shared by the default adapter and the named ones
+        inflight = commit_mode == "inflight"
+        self.versions = Versions(versions_in_flight, self._retire, slots=self.slots) if inflight else None
+        if self.versions is None:  # the default adapter under its stable id holds a slot while it serves
+            self.slots.fixed = lambda: int(bool(self.transaction.adapter))
+        self.lanes: dict[str, VllmLane] = {}  # the named adapters, by name
         self.driver: Any = None  # a ``Rollouts`` loop driving the LLM, which then runs the link's requests
         self.probe_alone = True  # score a probe in a batch of its own (vLLM 0.32's CPU LoRA path); set by info()
 
@@ -173,7 +182,7 @@ class _VllmLinkBase:
         versions = self.versions
         if versions is None:
             return self._paused(apply)
-        if not self._committing_lora():
+        if not committing_lora(self.transaction):
             with versions.exclusive():  # a full update: no request runs while the base weights change
                 try:
                     return self._paused(apply)
@@ -182,32 +191,7 @@ class _VllmLinkBase:
                     raise
                 finally:
                     versions.reset(self.transaction.adapter, self.transaction.committed_update_id)
-        if isinstance(request, Revert) and not versions.pending:
-            raise ConfigError(
-                f"update {request.update_id} is served to new requests already, and with commit_mode='inflight' "
-                "requests may still run on it: push the adapter to go back to as a new update instead of a Revert"
-            )
-        return self._beside(versions, apply, reverting=isinstance(request, Revert))
-
-    def _committing_lora(self) -> bool:
-        """Whether the update being committed is a LoRA one (its owner's last Begin says)."""
-        owner = self.transaction.owner
-        return owner is not None and owner.begun is not None and owner.begun[0].kind == "lora"
-
-    def _beside(self, versions: Versions, apply: Callable[[], Ack], reverting: bool) -> Ack:
-        """A LoRA commit, or the revert of one not yet published, while requests run on the versions before it."""
-        waited = 0.0 if reverting else versions.make_room()
-        try:
-            ack = self.transaction.observe(apply())
-        except Exception:  # e.g. the workers found it wrong and reverted it themselves: what do they serve?
-            self._refresh()
-            raise
-        finally:
-            if reverting:
-                versions.reverted(self.transaction.adapter)
-        if not reverting:
-            versions.staged(ack.adapter)
-        return msgspec.structs.replace(ack, waited_s=waited) if waited else ack
+        return commit_beside(self.transaction, self.workers, versions, request, apply)
 
     def _refresh(self) -> None:
         """What the workers serve now, after a failure (best effort: the failure is what gets raised)."""
@@ -253,25 +237,40 @@ class _VllmLinkBase:
             self.transaction.refuse_unless_serving("to score the probe")
             uid = self.versions.probe_version()
             lora = versioned_lora_request(uid) if uid else None
+        return self._score_with(probe, lora)
+
+    def _score_with(self, probe: Probe, lora: Any) -> tuple[list[list[float]], set[int]]:
         alone = self.driver is not None and self.probe_alone  # (``Rollouts.alone``)
         with self.driver.alone() if alone else contextlib.nullcontext():
             return self.score(probe.prompts, probe.completions, lora)
 
-    # -- Link -------------------------------------------------------------------------------
-    def submit(self, request: TransactionRequest) -> Done:
-        try:
-            return Done(self.transaction.handle(request))
-        except ColosyncError as exc:
-            return Done(error=exc)
-        except Exception as exc:  # vLLM itself failed: the engine is gone or broken
-            return Done(error=EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}"))
-
-    def submit_batch(self, requests: list[TransactionRequest]) -> list[Done]:
-        """Each request in order, as an engine host answers a ``Batch``: one reply each, failures included."""
-        return [self.submit(request) for request in requests]
-
-    def close(self) -> None:
-        pass
+    # -- named adapters -------------------------------------------------------------------------
+    def lane(self, name: str) -> VllmLane:
+        """Named adapter ``name`` (opened on first use): a ``Link`` of its own, committed beside the others."""
+        lane = self.lanes.get(check_adapter_name(name))
+        if lane is not None:
+            return lane
+        infos = self.info()
+        if not all(i.lora_enabled for i in infos):
+            raise ConfigError(
+                f"adapter {name!r} is a LoRA adapter and this vLLM engine was started without LoRA: start it with "
+                "LLM(..., enable_lora=True, max_loras=<adapters + 1>, max_lora_rank=<your rank>)"
+            )
+        total = min(i.max_loras for i in infos)
+        adapters = [*self.lanes, name] + ["(default)"] * bool(self.versions or self.transaction.adapter)
+        if len(adapters) > total - 1:
+            held = self.slots.describe()
+            raise AdapterSlotsError(
+                f"adapter {name!r} needs a LoRA slot, and this engine's {total} (max_loras) are taken: one stays free "
+                f"for a commit beside a served version, and adapters {[*self.lanes]} hold the rest (installed now: "
+                f"{held}); start vLLM with LLM(..., max_loras={len(adapters) + 1}) or push to one of those adapters"
+            )
+        numbers = set(self._rpc("colosync_lane", name))
+        if len(numbers) != 1:
+            raise EngineError(f"vLLM workers numbered adapter {name!r} apart ({sorted(numbers)}): restart the engine")
+        lane = VllmLane(name, numbers.pop(), _Workers(self._rpc, name), self._rpc, self._score_with, self.slots)
+        self.lanes[name] = lane
+        return lane
 
     @functools.cached_property
     def receivers(self) -> int:
@@ -291,6 +290,7 @@ class _VllmLinkBase:
             raise EngineError(f"vLLM collective_rpc failed: {type(exc).__name__}: {exc}") from exc
         infos = [_INFO.decode(bytes(r)) for r in replies]
         self.probe_alone = any(i.device == "cpu" for i in infos)
+        self.slots.total = min(i.max_loras for i in infos)
         if self.versions is not None:
             infos = self._keep_versions(infos)
         self.transaction.status()  # what the workers serve now
@@ -416,6 +416,12 @@ class AsyncVllmLink(_VllmLinkBase):
         super().__init__(commit_mode)
         self.engine = engine
         self._bridge = _AsyncBridge(loop)
+
+    def lane(self, name: str) -> VllmLane:
+        raise ConfigError(
+            f"named adapters (here {name!r}) are built for the synchronous vllm.LLM (VllmEngine) so far; with "
+            "AsyncLLM push the one default adapter"
+        )
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self._bridge.run(self.engine.collective_rpc(method, args=args))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, versioned_update_id
+from colosync.engines.vllm.worker import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH, lane_update_id, versioned_update_id
 from colosync.errors import EngineError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -32,9 +32,13 @@ def version_of(output: Any) -> int:
 
     0 means the engine's initial weights. Raises ``EngineError`` if the tokens came from
     more than one version (only possible with ``commit_mode="keep"``). A request on a LoRA version
-    of its own (``commit_mode="inflight"``) ran on that version alone: its adapter id says which.
+    of its own (``commit_mode="inflight"``, or a named adapter's) ran on that version alone: its adapter id
+    says which; for a named adapter the number is that adapter's own update id (``adapter_of`` says which).
     """
     lora = getattr(output, "lora_request", None)
+    lane = lane_update_id(lora.lora_int_id) if lora is not None else None
+    if lane is not None:  # a named adapter's version: its own update ids, every token from it alone
+        return lane[1]
     own = versioned_update_id(lora.lora_int_id) if lora is not None else None
     completions = getattr(output, "outputs", None) or [output]
     versions: set[int] = set()
@@ -53,6 +57,13 @@ def version_of(output: Any) -> int:
     # an adapter version of its own ran on the weights of the last full update before it, or after it
     # (a full update with adapters="keep"): the later of the two is the update the request ran on
     return max(own, labelled) if own is not None else labelled
+
+
+def adapter_of(output: Any) -> int:
+    """The lane number of the named adapter that produced ``output`` (``VllmLane.index``); 0: the default."""
+    lora = getattr(output, "lora_request", None)
+    lane = lane_update_id(lora.lora_int_id) if lora is not None else None
+    return lane[0] if lane is not None else 0
 
 
 def score_completions(
@@ -76,4 +87,4 @@ def score_completions(
     return result, versions
 
 
-__all__ = ["GenerateOne", "colosync_lora_request", "score_completions", "version_of"]
+__all__ = ["GenerateOne", "adapter_of", "colosync_lora_request", "score_completions", "version_of"]

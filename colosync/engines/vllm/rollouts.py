@@ -35,6 +35,7 @@ class Rollout:
     """One finished request: what it ran on and what it produced."""
 
     prompt: int  # index into the prompts
+    adapter: str  # the named adapter it ran on ("": the default)
     leased: int  # the update whose adapter it was given when it started (0: none)
     version: int  # the update vLLM reports produced its tokens (``version_of``)
     tokens: list[int]
@@ -55,14 +56,23 @@ class Rollouts:
         prompts: Sequence[Sequence[int]],
         params: Any,
         concurrency: int = 8,
+        adapters: Sequence[str] = ("",),
     ) -> None:
-        if concurrency < 1 or not prompts:
-            raise EngineError(f"Rollouts needs prompts and concurrency >= 1, got {len(prompts)}, {concurrency}")
+        if concurrency < 1 or not prompts or not adapters:
+            raise EngineError(
+                f"Rollouts needs prompts, adapters and concurrency >= 1, got {len(prompts)}, {len(adapters)}, "
+                f"{concurrency}"
+            )
+        unknown = [a for a in adapters if a and a not in engine.link.lanes]
+        if unknown:
+            raise EngineError(f"Rollouts: this engine has no adapters {unknown}; open them first (engine.lane(name))")
         self.engine, self.prompts, self.params, self.concurrency = engine, prompts, params, concurrency
+        self.adapters = list(adapters)  # each new request on the next of these ("": the default adapter)
         self.finished: list[Rollout] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._alone = threading.Event()
+        self._alone = 0  # callers inside ``alone`` (several adapters' probes may be scored at once)
+        self._alone_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="colosync-rollouts", daemon=True)
         self._asked: queue.SimpleQueue[tuple[list[int], Any, Any, Future[Any]]] = queue.SimpleQueue()
 
@@ -95,39 +105,46 @@ class Rollouts:
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
-        """Inside, no new rollout starts and an asked request runs once the running ones have finished.
+        """Inside, no new rollout starts and an asked request runs once the running ones (asked ones included)
+        have finished.
 
         vLLM 0.32's CPU backend fails (and its engine core dies) on a LoRA request with prompt
         logprobs batched with other requests, which is how a probe is scored; so the link scores a
         probe alone, and generation pauses only for that."""
-        self._alone.set()
+        with self._alone_lock:
+            self._alone += 1
         try:
             yield
         finally:
-            self._alone.clear()
+            with self._alone_lock:
+                self._alone -= 1
 
     def _run(self) -> None:
         from vllm import TokensPrompt
 
         llm_engine = self.engine.llm.llm_engine
         ids = itertools.count()
-        running: dict[str, tuple[int, int, float, contextlib.ExitStack]] = {}
+        running: dict[str, tuple[int, str, int, float, contextlib.ExitStack]] = {}
         asked: dict[str, Future[Any]] = {}
         waiting: list[tuple[list[int], Any, Any, Future[Any]]] = []
         prompts = itertools.cycle(range(len(self.prompts)))
+        adapters = itertools.cycle(self.adapters)
         try:
             while True:
                 while not self._asked.empty():
                     waiting.append(self._asked.get())
-                if waiting and not (self._alone.is_set() and running):
-                    for token_ids, params, lora, waiter in waiting:
+                alone = self._alone > 0
+                if waiting and not (alone and (running or asked)):
+                    batch = waiting[:1] if alone else list(waiting)  # alone: one asked request at a time
+                    for token_ids, params, lora, waiter in batch:
                         rid = f"colosync-asked-{next(ids)}"
                         llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params, lora_request=lora)
                         asked[rid] = waiter
-                    waiting.clear()
-                while not (self._stop.is_set() or self._alone.is_set()) and len(running) < self.concurrency:
+                    del waiting[: len(batch)]
+                while not (self._stop.is_set() or self._alone) and len(running) < self.concurrency:
                     held = contextlib.ExitStack()
-                    version = self._version(held)
+                    adapter = next(adapters)
+                    version = self._version(held, adapter)
                     if version is None:  # a full update drains the engine, or it fails closed: none starts
                         break
                     leased, lora = version
@@ -139,7 +156,7 @@ class Rollouts:
                     except BaseException:
                         held.close()
                         raise
-                    running[rid] = (index, leased, time.perf_counter(), held)
+                    running[rid] = (index, adapter, leased, time.perf_counter(), held)
                 if not running and not asked:
                     if self._stop.is_set() and self._asked.empty():
                         break
@@ -155,23 +172,29 @@ class Rollouts:
             self.error = exc
             with contextlib.suppress(Exception):  # first: a version must not retire under a running request
                 llm_engine.abort_request([*running, *asked])
-            for _, _, _, held in running.values():
+            for *_, held in running.values():
                 held.close()
             for waiter in [*asked.values(), *(w[3] for w in waiting)]:
                 waiter.set_exception(exc)
         while not self._asked.empty():  # asked after the loop's last look: nobody will run them
             self._asked.get()[3].set_exception(EngineError("the rollout loop stopped before this request ran"))
 
-    def _finish(self, out: Any, index: int, leased: int, started: float, held: contextlib.ExitStack) -> None:
+    def _finish(
+        self, out: Any, index: int, adapter: str, leased: int, started: float, held: contextlib.ExitStack
+    ) -> None:
         held.close()  # the request's version is free to retire
-        done = Rollout(
-            index, leased, self.engine.version_of(out), list(out.outputs[0].token_ids), started, time.perf_counter()
-        )
+        tokens = list(out.outputs[0].token_ids)
+        done = Rollout(index, adapter, leased, self.engine.version_of(out), tokens, started, time.perf_counter())
         self.finished.append(done)
 
-    def _version(self, held: contextlib.ExitStack) -> tuple[int, Any] | None:
-        """The version a new request runs on, held in ``held`` until it ends; None while none may start."""
+    def _version(self, held: contextlib.ExitStack, adapter: str) -> tuple[int, Any] | None:
+        """The version of ``adapter`` a new request runs on, held in ``held`` until it ends; None while none may
+        start."""
         link = self.engine.link
+        if adapter:
+            lane = link.lanes.get(adapter)
+            lease = lane.try_lease(held) if lane is not None else None
+            return (lease.update_id, lease.lora_request) if lease is not None else None
         if not link.transaction.serving:  # failed closed: no request starts until an update commits
             return None
         if link.versions is not None:

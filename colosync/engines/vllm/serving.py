@@ -17,12 +17,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from colosync.engines.config import EngineConfig, Generate, Generation, Score, Scores
-from colosync.errors import EngineError, ManifestError
+from colosync.engines.vllm.lanes import VllmLane
+from colosync.errors import ConfigError, EngineError, ManifestError
 from colosync.sync.target import ReceiverPolicy
 from colosync.sync.transaction import EngineTransaction
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from colosync.engines.vllm.client import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +37,13 @@ class VllmServing:
     requests: ClassVar[tuple[type, ...]] = (Generate, Score)
     replies: ClassVar[tuple[type, ...]] = (Generation, Scores)
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, engine: VllmEngine | None = None) -> None:
+        """``engine``: the ``VllmEngine`` already in front of ``llm`` in this process, whose transaction (one
+        owner) this host then shares; without, one is made."""
         from colosync.engines.vllm.client import VllmEngine
 
         self.llm = llm
-        self.engine = VllmEngine(llm)
+        self.engine = engine or VllmEngine(llm)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> VllmServing:
@@ -68,6 +74,10 @@ class VllmServing:
         # reaches them only through the worker extension.
         return self.engine.link.transaction
 
+    def lane(self, name: str) -> _Lane:
+        """Named adapter ``name`` for ``EngineHost`` (a connection's ``Hello.adapter``): its own transaction."""
+        return _Lane(self.engine.link.lane(name))
+
     def close(self) -> None:
         """Shut the engine core down (its processes end with it); the host is closing."""
         try:
@@ -83,10 +93,17 @@ class VllmServing:
         raise ManifestError(f"the vLLM engine serves Generate and Score, not {type(request).__name__}")
 
     @contextlib.contextmanager
-    def _lora(self) -> Iterator[Any]:
-        """The served adapter for one batch, else None; raises ``FailedClosedError`` while the engine refuses to
-        serve. Committing beside running requests (``commit_mode="inflight"``), the batch holds its version."""
+    def _lora(self, adapter: str) -> Iterator[Any]:
+        """The served adapter (``adapter``'s, if named) for one batch, else None; raises ``FailedClosedError``
+        while the engine refuses to serve. Committing beside running requests, the batch holds its version."""
         link = self.engine.link
+        if adapter:
+            lane = link.lanes.get(adapter)
+            if lane is None:
+                raise ConfigError(f"this engine has no adapter {adapter!r}; it has {sorted(link.lanes)}: push it first")
+            with lane.lease() as lease:
+                yield lease.lora_request
+            return
         if link.versions is None:
             yield link.default_lora()
             return
@@ -108,7 +125,7 @@ class VllmServing:
             )
             for i in range(len(prompts))
         ]
-        with self._lora() as lora:
+        with self._lora(request.adapter) as lora:
             outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         tokens, logprobs, versions = [], [], set()
         for out in outputs:
@@ -122,9 +139,19 @@ class VllmServing:
 
     def _score(self, request: Score) -> Scores:
         # The same scoring the link verifies a probe with (one sequence per generate call).
-        with self._lora() as lora:
+        with self._lora(request.adapter) as lora:
             result, versions = self.engine.link.score(request.prompts, request.completions, lora)
         return Scores(_one_version(versions), result)
+
+
+class _Lane:
+    """What ``EngineHost`` makes a named adapter's transaction from."""
+
+    def __init__(self, lane: VllmLane) -> None:
+        self._lane = lane
+
+    def transaction(self, policy: ReceiverPolicy | None) -> EngineTransaction:
+        return self._lane.transaction
 
 
 def _one_version(versions: set[int]) -> int:

@@ -82,6 +82,24 @@ def versioned_update_id(lora_int_id: int) -> int | None:
     return uid if 0 < uid < 1 << 31 else None
 
 
+LANE_ID_BASE = 1 << 40
+"""A named adapter's versions: this plus its lane number times 2**32 plus the update id (vLLM keeps ids in int64)."""
+
+
+def lane_lora_id(lane: int, update_id: int) -> int:
+    """The vLLM adapter id of named adapter number ``lane``'s version ``update_id``."""
+    if not 0 < lane < 1 << 16 or not 0 < update_id < 1 << 32:
+        raise ConfigError(f"no adapter id for lane {lane}, update {update_id}: lanes 1..65535, updates 1..2**32-1")
+    return LANE_ID_BASE + (lane << 32) + update_id
+
+
+def lane_update_id(lora_int_id: int) -> tuple[int, int] | None:
+    """(lane, update id) of a named adapter's version id (``lane_lora_id``), else None."""
+    rest = lora_int_id - LANE_ID_BASE
+    lane, uid = rest >> 32, rest & 0xFFFFFFFF
+    return (lane, uid) if rest > 0 and 0 < lane < 1 << 16 and uid else None
+
+
 IN_MEMORY_PATH = "colosync://in-memory"
 """``LoRARequest.lora_path`` is mandatory in vLLM; colosync adapters never live on disk."""
 
@@ -157,16 +175,20 @@ def placed_lora_modules(manager: Any, lora: Any) -> int:
 
 
 class VllmTarget(EngineTarget):
-    """``EngineTarget`` over one vLLM worker's model and LoRA manager."""
+    """``EngineTarget`` over one vLLM worker's model and LoRA manager.
 
-    def __init__(self, worker: Any) -> None:
+    ``lane`` > 0: a named adapter's target (``lanes.VllmLane``), LoRA only, every version under an id of
+    its own (``lane_lora_id``) beside the other adapters', on the base target's model description."""
+
+    def __init__(self, worker: Any, lane: int = 0, base: VllmTarget | None = None) -> None:
         self.worker = worker
+        self.lane = lane
         self.vllm_config = worker.vllm_config
         self.model_config = self.vllm_config.model_config
         self.lora_config = self.vllm_config.lora_config
         self.hf_config = self.model_config.hf_config
         _check_cpu_head_size(self.model_config, _receiver_device(worker))
-        self._spec = self._build_spec()
+        self._spec: ModelSpec = base._spec if base is not None else self._build_spec()
         self._packed = dict(getattr(self._model(), "packed_modules_mapping", {}) or {})
         self._groups: dict[str, set[str]] = {}  # vLLM layer -> the HF parameters it loads
         for name in self._spec.params or {}:  # this target always describes its parameters
@@ -176,8 +198,9 @@ class VllmTarget(EngineTarget):
         # keep_versions (commit_mode="inflight"): every LoRA version is installed under an id of its
         # own, and a superseded one stays installed (``_kept``, by update id) for the requests still
         # running on it until the driver retires it. Otherwise one id, swapped at each commit.
-        self.keep_versions = False
+        self.keep_versions = lane > 0
         self._kept: dict[int, Any] = {}
+        self.siblings: list[VllmTarget] = []  # the named adapters' targets: a full reload puts theirs back
         # What a revert of the last commit reinstates (kept until the next commit): the
         # LoRAModel served before it and the update that installed that one.
         self._last_commit: tuple[str, int] | None = None  # (kind, update_id)
@@ -257,6 +280,11 @@ class VllmTarget(EngineTarget):
     # -- checks the generic validator cannot make ------------------------------------------
     def check(self, manifest: UpdateManifest) -> None:
         """Engine-specific rejections, before any byte moves."""
+        if self.lane and manifest.kind != "lora" and (manifest.tensors or not manifest.drops_adapter):
+            raise UpdateRejected(
+                f"a named adapter takes LoRA updates (and drop_adapter) only, and update {manifest.update_id} writes "
+                "weights: push full weights through a connection without adapter="
+            )
         if manifest.kind == "lora":
             self._adapter_manager()  # raises if LoRA is off
             self._peft_helper(manifest)  # rank / features against vLLM's LoRA config
@@ -361,7 +389,7 @@ class VllmTarget(EngineTarget):
             mapper = mapper.get_rename_mapper()
         try:
             lora = LoRAModel.from_lora_tensors(
-                lora_model_id=VERSIONED_ID_BASE + manifest.update_id if self.keep_versions else ADAPTER_ID,
+                lora_model_id=self._lora_id(manifest.update_id),
                 tensors=peft_named,
                 peft_helper=helper,
                 device="cpu",
@@ -381,6 +409,11 @@ class VllmTarget(EngineTarget):
                 "names and that trainer and engine run the same architecture"
             )
         return lora
+
+    def _lora_id(self, update_id: int) -> int:
+        if self.lane:
+            return lane_lora_id(self.lane, update_id)
+        return VERSIONED_ID_BASE + update_id if self.keep_versions else ADAPTER_ID
 
     def commit(self, prepared: Any, update_id: int) -> Changes:
         if isinstance(prepared, _PreparedLora):
@@ -542,7 +575,16 @@ class VllmTarget(EngineTarget):
         self._refresh_tied(model, layers)
         if self._served is not None and restore_adapter:
             self._add_and_pin(self._adapter_manager(), self._served)
+        for sibling in self.siblings:  # the named adapters run on the new weights, every version they hold
+            sibling.reinstall()
         return layers
+
+    def reinstall(self) -> None:
+        """Add back every version this target holds (served and kept): vLLM's reload dropped them all."""
+        manager = self._adapter_manager()
+        for lora in [self._served, *self._kept.values()]:
+            if lora is not None and lora.id not in manager.list_adapters():
+                self._add_and_pin(manager, lora)  # already packed and folded: adding again folds nothing
 
     def _refresh_tied(self, model: torch.nn.Module, reloaded: set[str]) -> None:
         """Re-tie each tied layer (``lm_head``) to its tie and re-run its weight processing.
@@ -608,10 +650,30 @@ class WorkerDoor:
 
 
 class _WorkerState:
+    """The default adapter's target (full weights too) and each named adapter's, by name ("": the default)."""
+
     def __init__(self, worker: Any) -> None:
+        self.worker = worker
         self.target = VllmTarget(worker)
         self.receiver = Receiver(self.target, device=_receiver_device(worker), policy=ReceiverPolicy())
         self.door = WorkerDoor(self.receiver)
+        self.lanes: dict[str, tuple[VllmTarget, WorkerDoor]] = {"": (self.target, self.door)}
+
+    def open_lane(self, name: str) -> int:
+        """Named adapter ``name``'s lane number, opened now if new (numbers are never reused: ids stay unique)."""
+        known = self.lanes.get(name)
+        if known is not None:
+            return known[0].lane
+        target = VllmTarget(self.worker, lane=len(self.lanes), base=self.target)
+        self.lanes[name] = (target, WorkerDoor(Receiver(target, device=target._device, policy=ReceiverPolicy())))
+        self.target.siblings.append(target)
+        return target.lane
+
+    def lane(self, name: str) -> tuple[VllmTarget, WorkerDoor]:
+        found = self.lanes.get(name)
+        if found is None:
+            raise ConfigError(f"this worker has no adapter {name!r}: the link opens it (colosync_lane) first")
+        return found
 
 
 CPU_MIN_HEAD_SIZE = 32
@@ -644,14 +706,20 @@ class ColosyncWorkerExtension:
     worker already has, so everything here is prefixed ``colosync_``.
     """
 
-    def colosync_handle(self, data: bytes) -> bytes:
-        """Decode one control message, apply it to this worker's Receiver, encode the reply."""
+    def colosync_handle(self, data: bytes, adapter: str = "") -> bytes:
+        """Decode one control message, apply it to the Receiver of ``adapter`` ("": the default), encode the reply."""
         try:
-            state = self.colosync_state()
+            door = self.colosync_state().lane(adapter)[1]
         except Exception as exc:
             log.exception("colosync: cannot set up the receiver in this worker")
             return Door().encode(Failed.from_exception(exc))
-        return state.door.serve(data)
+        return door.serve(data)
+
+    def colosync_lane(self, adapter: str) -> int:
+        """Named adapter ``adapter``'s lane number (its own Receiver and versions), opened now if new."""
+        state = self.colosync_state()
+        with state.door.lock:
+            return state.open_lane(adapter)
 
     def colosync_info(self) -> bytes:
         state = self.colosync_state()
@@ -682,16 +750,16 @@ class ColosyncWorkerExtension:
             state.target.keep_versions = keep
         return self.colosync_info()
 
-    def colosync_retire(self, update_id: int) -> bool:
-        """Remove the superseded LoRA version of ``update_id``: no request runs on it any more."""
-        state = self.colosync_state()
-        with state.door.lock:
-            return state.target.retire(update_id)
+    def colosync_retire(self, update_id: int, adapter: str = "") -> bool:
+        """Remove the superseded LoRA version of ``update_id`` of ``adapter``: no request runs on it any more."""
+        target, door = self.colosync_state().lane(adapter)
+        with door.lock:
+            return target.retire(update_id)
 
-    def colosync_kept_versions(self) -> list[int]:
-        state = self.colosync_state()
-        with state.door.lock:
-            return state.target.kept_versions()
+    def colosync_kept_versions(self, adapter: str = "") -> list[int]:
+        target, door = self.colosync_state().lane(adapter)
+        with door.lock:
+            return target.kept_versions()
 
     def colosync_state(self) -> _WorkerState:
         state = self.__dict__.get("_colosync_state")
@@ -705,12 +773,15 @@ __all__ = [
     "ADAPTER_NAME",
     "ColosyncWorkerExtension",
     "IN_MEMORY_PATH",
+    "LANE_ID_BASE",
     "VERSIONED_ID_BASE",
     "VllmTarget",
     "WORKER_EXTENSION",
     "WorkerDoor",
     "WorkerInfo",
     "loaded_layers",
+    "lane_lora_id",
+    "lane_update_id",
     "placed_lora_modules",
     "versioned_update_id",
 ]
