@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from colosync.engines.vllm.lanes import VllmLane
@@ -69,8 +69,15 @@ class _EngineClient:
         ...     outs = llm.generate(prompts, params, lora_request=lease.lora_request)
         >>> engine.version_of(outs[0]) == lease.update_id
         """
-        lease: AbstractContextManager[Lease] = self.link.lease()
-        return lease
+        return self.link.lease()
+
+    def lease_async(self) -> AbstractAsyncContextManager[Lease]:
+        """``lease`` for a coroutine on an ``AsyncLLM``'s event loop (``AsyncVllmEngine``):
+
+        >>> async with engine.lease_async() as lease:
+        ...     async for out in async_llm.generate(prompt, params, request_id, lora_request=lease.lora_request): ...
+        """
+        return self.link.lease_async()
 
     def lag(self, update_id: int) -> int:
         """``commit_mode="inflight"``: how many versions were published after ``update_id`` (a sample's staleness)."""
@@ -119,16 +126,27 @@ class AsyncVllmEngine(_EngineClient):
 
     >>> engine = await AsyncVllmEngine.create(async_llm)
     >>> await asyncio.to_thread(Sender(engine.link).push_peft, peft_model)
+
+    ``commit_mode="inflight"`` and named adapters (``lane``) as for ``VllmEngine``; requests on the
+    loop hold their version with ``async with engine.lease_async()``.
     """
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        commit_mode: CommitMode = "wait",
+        versions_in_flight: int = 2,
+    ) -> None:
         self.engine = engine
-        self.link = AsyncVllmLink(engine, loop, commit_mode)
+        self.link = AsyncVllmLink(engine, loop, commit_mode, versions_in_flight)
         self.workers: list[WorkerInfo] = []
 
     @classmethod
-    async def create(cls, engine: Any, commit_mode: CommitMode = "wait") -> AsyncVllmEngine:
-        client = cls(engine, asyncio.get_running_loop(), commit_mode)
+    async def create(
+        cls, engine: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2
+    ) -> AsyncVllmEngine:
+        client = cls(engine, asyncio.get_running_loop(), commit_mode, versions_in_flight)
         client.workers = await asyncio.to_thread(client.link.info)
         return client
 

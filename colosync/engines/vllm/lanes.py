@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import msgspec
@@ -108,6 +109,8 @@ class VllmLane(Submits):
     >>> sender = Sender(engine.lane("policy"))            # in-process; or EngineProcess.connect(adapter=...)
     >>> with engine.lane("policy").lease() as lease:      # a request's version, until it ends
     ...     llm.generate(prompts, params, lora_request=lease.lora_request)
+    >>> async with engine.lane("policy").lease_async() as lease:   # the same on an AsyncLLM's event loop
+    ...     async for out in async_llm.generate(prompt, params, request_id, lora_request=lease.lora_request): ...
     """
 
     def __init__(
@@ -119,12 +122,20 @@ class VllmLane(Submits):
         score_with: ScoreWith,
         slots: Slots,
         versions_in_flight: int = 2,
+        retire_in_thread: bool = False,
     ) -> None:
         self.name, self.index = check_adapter_name(name), index
         self.workers = workers
         self._rpc = rpc
         self._score_with = score_with
-        self.versions = Versions(versions_in_flight, self._retire, slots=slots, name=name, request_of=self.lora_request)
+        self.versions = Versions(
+            versions_in_flight,
+            self._retire,
+            slots=slots,
+            name=name,
+            request_of=self.lora_request,
+            retire_in_thread=retire_in_thread,
+        )
         self.transaction = EngineTransaction(workers, self)
 
     def lora_request(self, update_id: int) -> Any:
@@ -137,10 +148,15 @@ class VllmLane(Submits):
             lora_path=IN_MEMORY_PATH,
         )
 
-    def lease(self) -> Any:
+    def lease(self) -> AbstractContextManager[Lease]:
         """``with lane.lease() as lease``: this adapter's served version for one request, held until it ends."""
         self.transaction.refuse_unless_serving("generation")
         return self.versions.lease()
+
+    def lease_async(self) -> AbstractAsyncContextManager[Lease]:
+        """``async with lane.lease_async() as lease``: ``lease`` on an ``AsyncLLM``'s event loop."""
+        self.transaction.refuse_unless_serving("generation")
+        return self.versions.lease_async()
 
     def try_lease(self, held: Any) -> Lease | None:
         return self.versions.try_lease(held) if self.transaction.serving else None

@@ -36,6 +36,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Literal
 
 import msgspec
@@ -43,7 +44,7 @@ import msgspec
 from colosync.control.door import codecs
 from colosync.engines.vllm.lanes import Submits, VllmLane, check_adapter_name, commit_beside, committing_lora
 from colosync.engines.vllm.outputs import colosync_lora_request, score_completions
-from colosync.engines.vllm.versions import Slots, Versions, versioned_lora_request
+from colosync.engines.vllm.versions import ROOM_TIMEOUT_S, Lease, Slots, Versions, versioned_lora_request
 from colosync.engines.vllm.worker import WORKER_EXTENSION, WorkerInfo
 from colosync.errors import AdapterSlotsError, ConfigError, DeliveryError, EngineError
 from colosync.sync.transaction import EngineTransaction
@@ -100,6 +101,8 @@ class _VllmLinkBase(Submits):
     scores a probe after resume (see the module docstring).
     """
 
+    retire_in_thread = False  # AsyncLLM: a lease ends on the loop a retirement's collective_rpc needs
+
     def __init__(self, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
         if commit_mode not in ("wait", "keep", "inflight"):
             raise ConfigError(f"commit_mode must be 'wait', 'keep' or 'inflight', got {commit_mode!r}")
@@ -110,7 +113,11 @@ class _VllmLinkBase(Submits):
         self.transaction = EngineTransaction(self.workers, self)
         self.slots = Slots()  # vLLM's max_loras, shared by the default adapter and the named ones
         inflight = commit_mode == "inflight"
-        self.versions = Versions(versions_in_flight, self._retire, slots=self.slots) if inflight else None
+        self.versions = (
+            Versions(versions_in_flight, self._retire, slots=self.slots, retire_in_thread=self.retire_in_thread)
+            if inflight
+            else None
+        )
         if self.versions is None:  # the default adapter under its stable id holds a slot while it serves
             self.slots.fixed = lambda: int(bool(self.transaction.adapter))
         self.lanes: dict[str, VllmLane] = {}  # the named adapters, by name
@@ -169,12 +176,19 @@ class _VllmLinkBase(Submits):
             )
         return colosync_lora_request() if self.transaction.adapter else None
 
-    def lease(self) -> Any:
+    def lease(self) -> AbstractContextManager[Lease]:
         """``with link.lease() as lease``: the served version for one request (``commit_mode="inflight"``)."""
+        return self._leased_versions().lease()
+
+    def lease_async(self) -> AbstractAsyncContextManager[Lease]:
+        """``async with link.lease_async() as lease``: ``lease`` on an ``AsyncLLM``'s event loop."""
+        return self._leased_versions().lease_async()
+
+    def _leased_versions(self) -> Versions:
         self.transaction.refuse_unless_serving("generation")
         if self.versions is None:
             raise ConfigError("leases are for commit_mode='inflight'; this engine pauses to commit: use default_lora()")
-        return self.versions.lease()
+        return self.versions
 
     # -- Serving ------------------------------------------------------------------------------
     def switch(self, request: Commit | Revert, apply: Callable[[], Ack]) -> Ack:
@@ -240,8 +254,10 @@ class _VllmLinkBase(Submits):
         return self._score_with(probe, lora)
 
     def _score_with(self, probe: Probe, lora: Any) -> tuple[list[list[float]], set[int]]:
-        alone = self.driver is not None and self.probe_alone  # (``Rollouts.alone``)
-        with self.driver.alone() if alone else contextlib.nullcontext():
+        alone: AbstractContextManager[None] = contextlib.nullcontext()
+        if self.probe_alone:  # no other request beside it: through the driving loop, else through the leases
+            alone = self.driver.alone() if self.driver is not None else self.slots.alone(ROOM_TIMEOUT_S)
+        with alone:
             return self.score(probe.prompts, probe.completions, lora)
 
     # -- named adapters -------------------------------------------------------------------------
@@ -268,7 +284,15 @@ class _VllmLinkBase(Submits):
         numbers = set(self._rpc("colosync_lane", name))
         if len(numbers) != 1:
             raise EngineError(f"vLLM workers numbered adapter {name!r} apart ({sorted(numbers)}): restart the engine")
-        lane = VllmLane(name, numbers.pop(), _Workers(self._rpc, name), self._rpc, self._score_with, self.slots)
+        lane = VllmLane(
+            name,
+            numbers.pop(),
+            _Workers(self._rpc, name),
+            self._rpc,
+            self._score_with,
+            self.slots,
+            retire_in_thread=self.retire_in_thread,
+        )
         self.lanes[name] = lane
         return lane
 
@@ -404,24 +428,23 @@ class _AsyncBridge:
 class AsyncVllmLink(_VllmLinkBase):
     """Link to a ``vllm.AsyncLLM`` through its async collective RPC.
 
-    Build it on the engine's event loop (``AsyncVllmEngine.create``), use it from a thread.
+    Build it on the engine's event loop (``AsyncVllmEngine.create``), use it from a thread. Requests on
+    the loop hold their version with ``async with lease_async()`` (``commit_mode="inflight"``, named
+    adapters); a version's retirement then runs from a thread of its own, off the loop.
     """
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, commit_mode: CommitMode = "wait") -> None:
-        if commit_mode == "inflight":  # a lease blocks its caller, which here is the engine's own event loop
-            raise ConfigError(
-                "commit_mode='inflight' is built for the synchronous vllm.LLM (VllmEngine) so far; with AsyncLLM "
-                "use 'wait' (commits drain running requests) or 'keep'"
-            )
-        super().__init__(commit_mode)
+    retire_in_thread = True
+
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        commit_mode: CommitMode = "wait",
+        versions_in_flight: int = 2,
+    ) -> None:
+        super().__init__(commit_mode, versions_in_flight)
         self.engine = engine
         self._bridge = _AsyncBridge(loop)
-
-    def lane(self, name: str) -> VllmLane:
-        raise ConfigError(
-            f"named adapters (here {name!r}) are built for the synchronous vllm.LLM (VllmEngine) so far; with "
-            "AsyncLLM push the one default adapter"
-        )
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self._bridge.run(self.engine.collective_rpc(method, args=args))

@@ -17,13 +17,14 @@ in this mode generate through a lease (``VllmEngine.lease``, ``VllmServing``), n
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from colosync.errors import ConfigError, EngineError
 log = logging.getLogger(__name__)
 
 _KEPT = 4096  # published versions remembered for ``lag``
+ROOM_TIMEOUT_S = 600.0  # how long a commit waits for a slot, a full update or a probe for requests to end
 
 
 def versioned_lora_request(update_id: int) -> Any:
@@ -54,6 +56,38 @@ class Slots:
         self.total: int | None = None
         self.members: list[Versions] = []
         self.fixed: Callable[[], int] = lambda: 0  # slots held outside any ``Versions`` (a stable-id adapter)
+        self.quiet = 0  # callers inside ``alone``: no lease of any adapter starts
+        self._alone = threading.Lock()  # one ``alone`` section at a time
+
+    @contextlib.contextmanager
+    def alone(self, timeout_s: float) -> Iterator[None]:
+        """Inside, no request of any adapter runs: new leases wait, running ones ended first. vLLM 0.32's CPU
+        backend fails on a LoRA request with prompt logprobs (a probe) batched with other requests."""
+        deadline = time.monotonic() + timeout_s
+        with self._alone:
+            with self.cond:
+                self.quiet += 1
+                try:
+                    while any(sum(m._leases.values()) for m in self.members):
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            running = {m.name or "(default)": dict(m._leases) for m in self.members if m._leases}
+                            raise EngineError(
+                                f"a probe is scored with no other request running (vLLM's CPU backend cannot batch "
+                                f"it), and after {timeout_s:g} s requests still hold versions {running} (adapter: "
+                                "{update: requests}); end them, or push without verify="
+                            )
+                        self.cond.wait(left)
+                except BaseException:
+                    self.quiet -= 1
+                    self.cond.notify_all()
+                    raise
+            try:
+                yield
+            finally:
+                with self.cond:
+                    self.quiet -= 1
+                    self.cond.notify_all()
 
     def held(self) -> int:
         """Slots taken now (call with ``cond`` held)."""
@@ -85,10 +119,11 @@ class Versions:
         self,
         limit: int,
         retire: Callable[[int], None],
-        room_timeout_s: float = 600.0,
+        room_timeout_s: float = ROOM_TIMEOUT_S,
         slots: Slots | None = None,
         name: str = "",
         request_of: Callable[[int], Any] = versioned_lora_request,
+        retire_in_thread: bool = False,
     ) -> None:
         if limit < 2:
             raise ConfigError(
@@ -99,6 +134,8 @@ class Versions:
         self._retire = retire
         self.name = name  # the named adapter these are versions of ("": the default one)
         self.request_of = request_of  # update id -> the LoRARequest of its version
+        # AsyncLLM: a lease ends on the engine's event loop, which the retirement's collective_rpc needs free
+        self.retire_in_thread = retire_in_thread
         self.slots = slots or Slots()
         self.slots.members.append(self)
         self._cond = self.slots.cond
@@ -117,7 +154,7 @@ class Versions:
     def lease(self) -> Iterator[Lease]:
         """The served version for one request, held until the request ends (waits out a full update)."""
         with self._cond:
-            while self._exclusive:  # a full update is draining or being applied
+            while self._closed():  # a full update is draining or being applied, or a probe is scored alone
                 self._cond.wait()
             uid = self._take()
         try:
@@ -125,16 +162,29 @@ class Versions:
         finally:
             self._release(uid)
 
+    @contextlib.asynccontextmanager
+    async def lease_async(self, poll_s: float = 0.005) -> AsyncIterator[Lease]:
+        """``lease`` for a coroutine on an ``AsyncLLM``'s event loop: waits without blocking the loop (polled,
+        so a cancelled waiter holds nothing)."""
+        held = contextlib.ExitStack()
+        with held:
+            while (lease := self.try_lease(held)) is None:
+                await asyncio.sleep(poll_s)
+            yield lease
+
     def try_lease(self, held: contextlib.ExitStack) -> Lease | None:
         """``lease`` entered into ``held`` (released when it closes), or None at once while a full update lets
         no request start: for the thread that drives the engine, which must go on stepping the running
         requests for that update to drain them."""
         with self._cond:
-            if self._exclusive:
+            if self._closed():
                 return None
             uid = self._take()
         held.callback(self._release, uid)
         return Lease(uid, self.request_of(uid) if uid else None)
+
+    def _closed(self) -> bool:
+        return self._exclusive or self.slots.quiet > 0
 
     def _take(self) -> int:
         self._leases[self.current] += 1
@@ -152,7 +202,7 @@ class Versions:
                 self._retiring.add(uid)
             self._cond.notify_all()
         if retire:
-            self._retire_now(uid)
+            self._retire_soon(uid)
 
     def in_flight(self) -> dict[int, int]:
         """Requests running now, by the version they run on."""
@@ -252,7 +302,7 @@ class Versions:
                 self._retiring.add(old)
             self._cond.notify_all()
         if retire:
-            self._retire_now(old)
+            self._retire_soon(old)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -293,6 +343,13 @@ class Versions:
             if not self._published or committed > self._published[-1]:
                 self._published = [*self._published[-_KEPT + 1 :], committed]
 
+    def _retire_soon(self, uid: int) -> None:
+        """Retire ``uid`` now, or from a thread of its own (``retire_in_thread``); its slot counts until done."""
+        if self.retire_in_thread:
+            threading.Thread(target=self._retire_now, args=(uid,), name="colosync-retire", daemon=True).start()
+        else:
+            self._retire_now(uid)
+
     def _retire_now(self, uid: int) -> None:
         failed = False
         try:
@@ -310,4 +367,4 @@ class Versions:
                 self._cond.notify_all()
 
 
-__all__ = ["Lease", "Slots", "Versions", "versioned_lora_request"]
+__all__ = ["ROOM_TIMEOUT_S", "Lease", "Slots", "Versions", "versioned_lora_request"]
