@@ -67,7 +67,8 @@ class Slots:
         with self._alone:
             with self.cond:
                 self.quiet += 1
-                try:
+            try:
+                with self.cond:
                     while any(sum(m._leases.values()) for m in self.members):
                         left = deadline - time.monotonic()
                         if left <= 0:
@@ -78,11 +79,6 @@ class Slots:
                                 "{update: requests}); end them, or push without verify="
                             )
                         self.cond.wait(left)
-                except BaseException:
-                    self.quiet -= 1
-                    self.cond.notify_all()
-                    raise
-            try:
                 yield
             finally:
                 with self.cond:
