@@ -206,6 +206,15 @@ class FailedClosedError(EngineError):
     """
 
 
+class VersionLagError(EngineError):
+    """No request starts on the served version: it is more than ``max_lag`` updates behind the newest one its
+    trainer began (asynchronous RL's bound on staleness).
+
+    Fix: Let the trainer's next update commit (requests start again as soon as it does); if pushes keep failing,
+    read why in the Sender's error, or raise ``max_lag``.
+    """
+
+
 class AuthenticationError(EngineError):
     """A client could not prove it holds the engine's key.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from colosync.errors import ManifestError
+from colosync.sync.staleness import Staleness
 from colosync.sync.target import ReceiverPolicy
 
 
@@ -29,6 +30,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     threads: int = 0  # CPU threads for the engine's compute; 0 leaves the library default
     auth_timeout_s: float = 2.0  # engine process: a client must authenticate within this
     message_timeout_s: float = 10.0  # engine process: a message's bytes must all arrive within this
+    max_lag: int | None = None  # refuse a Generate on a version more than this many updates behind its trainer
+
+    def __post_init__(self) -> None:
+        Staleness(self.max_lag)  # refused here, in the trainer, rather than in the engine process
 
     def policy(self) -> ReceiverPolicy:
         return ReceiverPolicy(self.reject_nonfinite, self.verify_fingerprints, self.timeout_s)

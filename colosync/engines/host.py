@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from colosync.control.door import Door
-from colosync.engines.config import EngineConfig, Score, Scores
+from colosync.engines.config import EngineConfig, Generate, Score, Scores
 from colosync.errors import ConfigError, EngineError, ManifestError
 from colosync.sync.receiver import Receiver
 from colosync.sync.target import EngineTarget, ReceiverPolicy
@@ -92,7 +92,10 @@ class EngineHost:
     >>> session = host.open_session()
     >>> reply = host.handle_bytes(data, session)
 
-    ``handlers`` serve host-level requests (``Shutdown`` of the engine process, memory).
+    ``handlers`` serve host-level requests (``Shutdown`` of the engine process, memory). ``max_lag``
+    (``sync.staleness``): a ``Generate`` of an adapter whose committed version lags its trainer's newest
+    begun update by more is refused at once (requests are served one at a time, so waiting here would
+    hold off the commit it waits for).
     """
 
     def __init__(
@@ -101,8 +104,12 @@ class EngineHost:
         engine: ServedEngine | None = None,
         handlers: dict[type, Handler] | None = None,
         policy: ReceiverPolicy | None = None,
+        max_lag: int | None = None,
     ) -> None:
         self.transaction = transaction if isinstance(transaction, EngineTransaction) else EngineTransaction(transaction)
+        self.max_lag = max_lag
+        if max_lag is not None:
+            self.transaction.staleness.limit(max_lag)
         self.engine = engine
         self.handlers = dict(handlers or {})
         self.policy = policy
@@ -154,6 +161,8 @@ class EngineHost:
         if self.engine is None:
             raise ManifestError(f"this host serves transaction messages only, not {type(request).__name__}")
         self.transaction.refuse_unless_serving(type(request).__name__)
+        if isinstance(request, Generate) and request.adapter in self.lanes:  # else the engine names what it has
+            self.lanes[request.adapter].refuse_if_behind(f"Generate of adapter {request.adapter!r}")
         return self.engine.handle(request)
 
     def _bind(self, session: Session, adapter: str) -> EngineTransaction:
@@ -167,6 +176,8 @@ class EngineHost:
                     "without adapter=, or use an engine that serves several (hf with EngineConfig(max_loras=N))"
                 )
             lane = self.lanes[adapter] = make(adapter).transaction(self.policy)
+            if self.max_lag is not None:
+                lane.staleness.limit(self.max_lag)
         there = lane.open_session()
         there.pid, there.host, there.name, there.peer_pid = session.pid, session.host, session.name, session.peer_pid
         before = self._bound.get(session.id)
@@ -190,7 +201,7 @@ def build_host(config: EngineConfig, handlers: dict[type, Handler] | None = None
     from colosync.control.registry import engine_class
 
     engine: ServedEngine = engine_class(config.engine).from_config(config)
-    return EngineHost(engine.transaction(config.policy()), engine, handlers, config.policy())
+    return EngineHost(engine.transaction(config.policy()), engine, handlers, config.policy(), config.max_lag)
 
 
 __all__ = ["EngineHost", "HostedTarget", "ScoredByEngine", "ServedEngine", "build_host"]

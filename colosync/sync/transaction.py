@@ -17,6 +17,9 @@ its weight version; an engine serialised by a host needs nothing), and a ``Commi
 a ``Probe`` is proven by ``sync.delivery.verified_commit``, scored by the engine's own serving
 code before anything else is served. While the engine fails closed (a full update did not
 verify), ``refuse_unless_serving`` refuses generation with the reason and the fix.
+
+Staleness. Every accepted ``Begin`` is the trainer's newest version (``sync.staleness``), so an
+engine with ``max_lag`` starts no request on a version too far behind it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import msgspec
 
 from colosync.errors import ColosyncError, ConfigError, EngineBusyError, FailedClosedError, UnknownLayoutError
 from colosync.sync.delivery import verified_commit
+from colosync.sync.staleness import Staleness
 from colosync.wire.manifest import UpdateManifest, manifest_digest
 from colosync.wire.protocol import (
     Abort,
@@ -174,6 +178,7 @@ class EngineTransaction:
         self._ids = 0
         self._sessions: dict[int, Session] = {}
         self.layouts = Layouts()
+        self.staleness = Staleness()  # the updates begun, and how far behind them a request may start
         self.local = self.open_session()  # callers that name no session (this process)
 
     # -- sessions -------------------------------------------------------------------------
@@ -236,6 +241,11 @@ class EngineTransaction:
                 "(a full one: the engine serves again once it commits)"
             )
 
+    def refuse_if_behind(self, what: str) -> None:
+        """Raise ``VersionLagError`` for ``what`` while the committed version lags its trainer more than ``max_lag``
+        (``staleness``); for an engine whose host serialises requests, so nothing commits while one waits."""
+        self.staleness.refuse(self.committed_update_id, what)
+
     def close(self) -> None:
         self.applies.close()
 
@@ -257,7 +267,10 @@ class EngineTransaction:
             return self._commit(request)
         if isinstance(request, Revert):
             return self._switch(request)
-        return self.applies.handle(request)
+        ack = self.applies.handle(request)
+        if isinstance(request, Begin):  # the trainer's newest version, whatever becomes of it
+            self.staleness.began(request.manifest.update_id)
+        return ack
 
     def observe(self, ack: Ack) -> Ack:
         """Record what ``ack`` says the engine serves; returns it."""

@@ -7,6 +7,7 @@ its last request has ended, never while a request still runs on it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -15,7 +16,8 @@ import pytest
 
 from colosync.engines.vllm.versions import Slots, Versions
 from colosync.engines.vllm.worker import VERSIONED_ID_BASE, versioned_update_id
-from colosync.errors import ConfigError, EngineError
+from colosync.errors import ConfigError, EngineError, VersionLagError
+from colosync.sync.staleness import Staleness
 
 
 def committed(versions: Versions, uid: int) -> None:
@@ -161,3 +163,56 @@ def test_adapters_sharing_the_slots_wait_for_each_other_and_a_reserved_slot_coun
         assert time.monotonic() - started >= 0.25  # it waited for a retirement before it gave up
     c.make_room()  # a's version 1 retired with its last request: room for c
     assert retired == [1] and (a.installed(), b.installed()) == ([2], [1])
+
+
+def test_no_request_starts_on_a_version_more_than_max_lag_behind_the_trainer():
+    """The trainer began updates 2 and 3 (2 failed): version 1 lags by 2, over max_lag=1, until 3 commits."""
+    staleness = Staleness(max_lag=1)
+    versions = Versions(2, lambda uid: None, room_timeout_s=0.3, staleness=staleness)
+    staleness.began(1)
+    committed(versions, 1)
+    staleness.began(2)  # a push on its way (it will fail): one behind is allowed
+    with versions.lease() as lease:
+        assert lease.update_id == 1
+    staleness.began(3)
+    assert staleness.behind(1) == 2
+    with contextlib.ExitStack() as held:
+        assert versions.try_lease(held) is None  # the driving thread starts none and steps on
+    lagging = r"update 1: the trainer began 2 updates after it \(the newest 3\).*max_lag=1"
+    with pytest.raises(VersionLagError, match=lagging), versions.lease():
+        pass
+    with pytest.raises(VersionLagError, match="max_lag=1"):
+        asyncio.run(_lease_async(versions))
+    assert versions.in_flight() == {}  # the refused ones hold nothing
+
+    versions.room_timeout_s = 10.0
+    got: list[int] = []
+    waiting = threading.Thread(target=lambda: got.append(_leased(versions)))
+    waiting.start()
+    time.sleep(0.2)
+    assert got == []  # it waits for a newer commit
+    committed(versions, 3)
+    waiting.join(5)
+    assert got == [3]
+
+
+def test_without_max_lag_a_lagging_version_serves_and_a_bad_bound_is_refused():
+    staleness = Staleness()
+    versions = Versions(2, lambda uid: None, staleness=staleness)
+    committed(versions, 1)
+    for uid in range(2, 10):
+        staleness.began(uid)
+    assert _leased(versions) == 1 and staleness.behind(1) == 8
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="max_lag"):
+            Staleness(bad)
+
+
+def _leased(versions: Versions) -> int:
+    with versions.lease() as lease:
+        return lease.update_id
+
+
+async def _lease_async(versions: Versions) -> int:
+    async with versions.lease_async() as lease:
+        return lease.update_id

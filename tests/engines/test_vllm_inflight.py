@@ -14,8 +14,9 @@ import threading
 import time
 
 import pytest
+import torch
 
-from colosync.errors import ConfigError, DeliveryError
+from colosync.errors import ConfigError, DeliveryError, NonFiniteError, VersionLagError
 from colosync.sync.sender import Sender
 from colosync.testing import fill_lora, greedy, load_model
 from colosync.wire.protocol import Status
@@ -200,3 +201,47 @@ def test_commits_while_generation_never_stops_each_request_on_its_version(inflig
     assert kept(engine) == []
     # a sample's staleness: eight later LoRA versions and the full update after the first; the failed one never
     assert engine.lag(max(refs)) == 0 and engine.lag(min(refs)) == len(refs) - 1 + 1
+
+
+def test_no_request_starts_on_a_version_more_than_max_lag_behind_while_generation_runs(inflight, vllm_model_dir):
+    """``max_lag=1`` with rollouts never stopping: two pushes fail (NaN), so the served version lags its trainer by
+    two; the loop starts no request until the next good push commits, and a lease waits, then says why."""
+    from colosync.engines.vllm.rollouts import Rollouts
+
+    engine, sender = inflight
+    versions = engine.link.versions
+    trainer = adapter(vllm_model_dir, rank=8, seed=90)
+    good = sender.push_peft(trainer).update_id
+    engine.link.transaction.staleness.limit(1)
+    rollouts = Rollouts(engine, PROMPTS, greedy_params(NEW), concurrency=2).start()
+    try:
+        poisoned = next(p for n, p in trainer.named_parameters() if "lora_B" in n)
+        with torch.no_grad():
+            poisoned.view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteError):
+            sender.push_peft(trainer)
+        seen = len(rollouts.finished)
+        until(lambda: len(rollouts.finished) > seen + 2, rollouts)  # one behind: generation goes on
+        with pytest.raises(NonFiniteError):
+            sender.push_peft(trainer)
+        stale_at = time.perf_counter()
+        until(lambda: not versions.in_flight(), rollouts)  # the running requests end, none starts
+        time.sleep(0.5)
+        assert not versions.in_flight() and rollouts.error is None
+        versions.room_timeout_s = 0.3
+        with pytest.raises(VersionLagError, match=rf"update {good}: the trainer began 2 updates after it"):
+            generate_leased(engine, PROMPTS)
+        versions.room_timeout_s = 600.0
+
+        fill_lora(trainer, 91)
+        fresh = sender.push_peft(trainer).update_id
+        until(lambda: sum(r.started > stale_at for r in rollouts.finished) >= 4, rollouts)  # started again
+    finally:
+        done = rollouts.stop()
+        engine.link.transaction.staleness.limit(None)
+        versions.room_timeout_s = 600.0
+    late = [r for r in done if r.started > stale_at]
+    assert late and all((r.leased, r.version) == (fresh, fresh) for r in late), "nothing started on the stale one"
+    want = greedy(trainer, PROMPTS, NEW)[0]
+    assert all(r.tokens == want[r.prompt] for r in late)
+    assert kept(engine) == []

@@ -52,6 +52,7 @@ class _EngineClient:
         Raises ``FailedClosedError`` while the engine refuses to serve.
         """
         self.link.transaction.refuse_unless_serving("generation with the colosync adapter")
+        self.link.transaction.refuse_if_behind("generation with the colosync adapter")
         if self.link.versions is not None:
             self.link.default_lora()  # raises: in this mode a request's version is held by a lease
         if not self.link.lora_update_id:
@@ -107,12 +108,16 @@ class VllmEngine(_EngineClient):
 
     ``commit_mode="inflight"`` (asynchronous RL): LoRA commits do not wait for running requests,
     which finish on their version; up to ``versions_in_flight`` versions are installed at once
-    (vLLM's ``max_loras`` must hold them). Generate through ``lease()``.
+    (vLLM's ``max_loras`` must hold them). Generate through ``lease()``. ``max_lag=N``: no request
+    starts on a version more than N updates behind the newest one the trainer began (a lease
+    waits for a newer commit); every adapter (``lane``) gets the same bound.
     """
 
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
+    def __init__(
+        self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2, max_lag: int | None = None
+    ) -> None:
         self.llm = llm
-        self.link = VllmLink(llm, commit_mode, versions_in_flight)
+        self.link = VllmLink(llm, commit_mode, versions_in_flight, max_lag)
         self.workers = self.link.info()
         log.info(
             "colosync: attached to vLLM with %d worker(s), committed update %d",
@@ -137,16 +142,17 @@ class AsyncVllmEngine(_EngineClient):
         loop: asyncio.AbstractEventLoop,
         commit_mode: CommitMode = "wait",
         versions_in_flight: int = 2,
+        max_lag: int | None = None,
     ) -> None:
         self.engine = engine
-        self.link = AsyncVllmLink(engine, loop, commit_mode, versions_in_flight)
+        self.link = AsyncVllmLink(engine, loop, commit_mode, versions_in_flight, max_lag)
         self.workers: list[WorkerInfo] = []
 
     @classmethod
     async def create(
-        cls, engine: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2
+        cls, engine: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2, max_lag: int | None = None
     ) -> AsyncVllmEngine:
-        client = cls(engine, asyncio.get_running_loop(), commit_mode, versions_in_flight)
+        client = cls(engine, asyncio.get_running_loop(), commit_mode, versions_in_flight, max_lag)
         client.workers = await asyncio.to_thread(client.link.info)
         return client
 

@@ -123,11 +123,14 @@ class VllmLane(Submits):
         slots: Slots,
         versions_in_flight: int = 2,
         retire_in_thread: bool = False,
+        max_lag: int | None = None,
     ) -> None:
         self.name, self.index = check_adapter_name(name), index
         self.workers = workers
         self._rpc = rpc
         self._score_with = score_with
+        self.transaction = EngineTransaction(workers, self)
+        self.transaction.staleness.limit(max_lag)
         self.versions = Versions(
             versions_in_flight,
             self._retire,
@@ -135,8 +138,8 @@ class VllmLane(Submits):
             name=name,
             request_of=self.lora_request,
             retire_in_thread=retire_in_thread,
+            staleness=self.transaction.staleness,
         )
-        self.transaction = EngineTransaction(workers, self)
 
     def lora_request(self, update_id: int) -> Any:
         """The ``LoRARequest`` of this adapter's version ``update_id``."""

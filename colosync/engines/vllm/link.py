@@ -25,6 +25,8 @@ synchronous ``LLM`` do not generate from another thread during a verified commit
 With ``commit_mode="inflight"`` (asynchronous RL) a LoRA commit does not pause vLLM: the new
 version is installed beside the served one, verified, then published to new requests, and running
 requests finish on their version (``versions.Versions``); a full update still pauses, drained.
+``max_lag`` bounds how far behind its trainer a version may be for a request to start on it
+(``sync.staleness``): a lease waits for a newer commit, ``default_lora`` refuses at once.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class _VllmLinkBase(Submits):
 
     retire_in_thread = False  # AsyncLLM: a lease ends on the loop a retirement's collective_rpc needs
 
-    def __init__(self, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
+    def __init__(
+        self, commit_mode: CommitMode = "wait", versions_in_flight: int = 2, max_lag: int | None = None
+    ) -> None:
         if commit_mode not in ("wait", "keep", "inflight"):
             raise ConfigError(f"commit_mode must be 'wait', 'keep' or 'inflight', got {commit_mode!r}")
         self.commit_mode = commit_mode
@@ -111,10 +115,17 @@ class _VllmLinkBase(Submits):
         self.pause_mode = "wait" if commit_mode == "inflight" else commit_mode
         self.workers = _Workers(self._rpc)
         self.transaction = EngineTransaction(self.workers, self)
+        self.transaction.staleness.limit(max_lag)  # each named adapter's transaction gets the same bound
         self.slots = Slots()  # vLLM's max_loras, shared by the default adapter and the named ones
         inflight = commit_mode == "inflight"
         self.versions = (
-            Versions(versions_in_flight, self._retire, slots=self.slots, retire_in_thread=self.retire_in_thread)
+            Versions(
+                versions_in_flight,
+                self._retire,
+                slots=self.slots,
+                retire_in_thread=self.retire_in_thread,
+                staleness=self.transaction.staleness,
+            )
             if inflight
             else None
         )
@@ -168,6 +179,7 @@ class _VllmLinkBase(Submits):
     def default_lora(self) -> Any:
         """What generation uses by default: the committed colosync adapter, else the base model (None)."""
         self.transaction.refuse_unless_serving("generation")
+        self.transaction.refuse_if_behind("generation")  # between commits: they pause generation
         if self.versions is not None:
             raise ConfigError(
                 "with commit_mode='inflight' a request's adapter version is held by a lease, so that it is retired "
@@ -292,6 +304,7 @@ class _VllmLinkBase(Submits):
             self._score_with,
             self.slots,
             retire_in_thread=self.retire_in_thread,
+            max_lag=self.transaction.staleness.max_lag,
         )
         self.lanes[name] = lane
         return lane
@@ -343,8 +356,10 @@ class _VllmLinkBase(Submits):
 class VllmLink(_VllmLinkBase):
     """Link to a synchronous ``vllm.LLM``."""
 
-    def __init__(self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2) -> None:
-        super().__init__(commit_mode, versions_in_flight)
+    def __init__(
+        self, llm: Any, commit_mode: CommitMode = "wait", versions_in_flight: int = 2, max_lag: int | None = None
+    ) -> None:
+        super().__init__(commit_mode, versions_in_flight, max_lag)
         self.llm = llm
         self._engine_core = llm.llm_engine.engine_core
         self._can_pause = _serialize_client_sends(self._engine_core)
@@ -441,8 +456,9 @@ class AsyncVllmLink(_VllmLinkBase):
         loop: asyncio.AbstractEventLoop,
         commit_mode: CommitMode = "wait",
         versions_in_flight: int = 2,
+        max_lag: int | None = None,
     ) -> None:
-        super().__init__(commit_mode, versions_in_flight)
+        super().__init__(commit_mode, versions_in_flight, max_lag)
         self.engine = engine
         self._bridge = _AsyncBridge(loop)
 

@@ -8,7 +8,10 @@ request holds its version through a ``lease``; a superseded version is retired (
 workers) when its last lease ends. ``limit`` bounds how many versions are installed at once (each
 takes one of vLLM's ``max_loras`` slots): a commit beyond it waits for a retirement and says how
 long it waited. A full update still drains every request first (one set of base weights):
-``exclusive`` lets no new lease start until it is applied.
+``exclusive`` lets no new lease start until it is applied. With ``max_lag`` (``sync.staleness``)
+no lease starts while the newest published version lags the trainer's newest begun update by more:
+``lease`` waits for a newer commit (up to ``room_timeout_s``, then ``VersionLagError``), and the
+thread that drives the engine (``try_lease``) starts none meanwhile.
 
 Leases are counted here, in the driver, because only the driver knows when a request ends; so
 in this mode generate through a lease (``VllmEngine.lease``, ``VllmServing``), never with a
@@ -30,6 +33,7 @@ from typing import Any
 
 from colosync.engines.vllm.worker import IN_MEMORY_PATH, VERSIONED_ID_BASE
 from colosync.errors import ConfigError, EngineError
+from colosync.sync.staleness import Staleness
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,7 @@ class Versions:
         name: str = "",
         request_of: Callable[[int], Any] = versioned_lora_request,
         retire_in_thread: bool = False,
+        staleness: Staleness | None = None,
     ) -> None:
         if limit < 2:
             raise ConfigError(
@@ -132,6 +137,7 @@ class Versions:
         self.request_of = request_of  # update id -> the LoRARequest of its version
         # AsyncLLM: a lease ends on the engine's event loop, which the retirement's collective_rpc needs free
         self.retire_in_thread = retire_in_thread
+        self.staleness = staleness or Staleness()  # the transaction's: the updates its trainer began
         self.slots = slots or Slots()
         self.slots.members.append(self)
         self._cond = self.slots.cond
@@ -148,10 +154,15 @@ class Versions:
     # -- requests ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def lease(self) -> Iterator[Lease]:
-        """The served version for one request, held until the request ends (waits out a full update)."""
+        """The served version for one request, held until the request ends (waits out a full update, and a
+        version too far behind its trainer for ``room_timeout_s``)."""
+        deadline = time.monotonic() + self.room_timeout_s
         with self._cond:
-            while self._closed():  # a full update is draining or being applied, or a probe is scored alone
-                self._cond.wait()
+            while self._closed():  # a full update drains or applies, a probe is scored alone, or it lags too far
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._refuse_lag()
+                self._cond.wait(left if left > 0 else None)  # a commit (what ends a lag) notifies
             uid = self._take()
         try:
             yield Lease(uid, self.request_of(uid) if uid else None)
@@ -162,9 +173,12 @@ class Versions:
     async def lease_async(self, poll_s: float = 0.005) -> AsyncIterator[Lease]:
         """``lease`` for a coroutine on an ``AsyncLLM``'s event loop: waits without blocking the loop (polled,
         so a cancelled waiter holds nothing)."""
+        deadline = time.monotonic() + self.room_timeout_s
         held = contextlib.ExitStack()
         with held:
             while (lease := self.try_lease(held)) is None:
+                if time.monotonic() > deadline:
+                    self._refuse_lag()
                 await asyncio.sleep(poll_s)
             yield lease
 
@@ -180,7 +194,16 @@ class Versions:
         return Lease(uid, self.request_of(uid) if uid else None)
 
     def _closed(self) -> bool:
-        return self._exclusive or self.slots.quiet > 0
+        return self._exclusive or self.slots.quiet > 0 or self.staleness.too_far(self.served())
+
+    def served(self) -> int:
+        """The newest version published (a LoRA one, or a full update's): what a new request runs on."""
+        with self._cond:
+            return self._published[-1] if self._published else self.current
+
+    def _refuse_lag(self) -> None:
+        """Raise ``VersionLagError`` if no lease starts because the served version lags too far."""
+        self.staleness.refuse(self.served(), "request")
 
     def _take(self) -> int:
         self._leases[self.current] += 1
