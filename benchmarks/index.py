@@ -70,6 +70,12 @@ def seed_lora(record: Record) -> tuple[str, str, str]:
     return head, ref, floor
 
 
+def full_sync_alone(record: Record) -> tuple[str, str, str]:
+    """A ``cuda_ipc``-only run (``--references none --no-floor``) on a card with no references recorded."""
+    slots = record["results"][0]["config"]["slots"]
+    return f"`cuda_ipc`, {slots} × 4 GiB slots: **{ms(medians(record)['cuda_ipc'])}**", "–", "–"
+
+
 def full_sync(record: Record) -> tuple[str, str, str]:
     m, old = medians(record), medians(load("full-sync", "references.json"))
     slots = record["results"][0]["config"]["slots"]
@@ -83,17 +89,24 @@ def full_sync(record: Record) -> tuple[str, str, str]:
 
 
 def colocated_step(record: Record) -> tuple[str, str, str]:
-    s, tms = record["modes"][0]["summary"], load("colocated-step", "tms.json")["modes"][0]["summary"]
+    head, _, floor = colocated_step_alone(record)
+    tms = load("colocated-step", "tms.json")["modes"][0]["summary"]
+    ref = (
+        f"torch_memory_saver trainer {tms['median_handoff_plus_sync_s']:.2f} s "
+        f"({tms['handoff_plus_sync_over_floor']:.2f}×)"
+    )
+    return head, ref, floor
+
+
+def colocated_step_alone(record: Record) -> tuple[str, str, str]:
+    """A run with no reference beside it on its machine (the torch_memory_saver one ran on another card)."""
+    s = record["modes"][0]["summary"]
     head = (
         f"handoff + 16 GB sync **{s['median_handoff_plus_sync_s']:.2f} s** "
         f"({s['handoff_plus_sync_over_floor']:.2f}× floor), host copies {s['host_peak_over_larger_copy']:.3f}× "
         f"the larger copy, {s['violations']} invariants broken"
     )
-    ref = (
-        f"torch_memory_saver trainer {tms['median_handoff_plus_sync_s']:.2f} s "
-        f"({tms['handoff_plus_sync_over_floor']:.2f}×)"
-    )
-    return head, ref, f"pinned copies {s['median_floor_s']:.2f} s"
+    return head, "–", f"pinned copies {s['median_floor_s']:.2f} s"
 
 
 def handoff(record: Record) -> tuple[str, str, str]:
@@ -227,8 +240,12 @@ class Row:
 ROWS = [
     Row("seed-lora sync (624 tensors, 169 MB)", "seed-lora", "record.json", seed_lora),
     Row("seed-lora sync, under MPS", "seed-lora", "mps.json", seed_lora),
+    Row("seed-lora sync, H100", "seed-lora", "h100.json", seed_lora),
+    Row("seed-lora sync, H100 under MPS", "seed-lora", "h100-mps.json", seed_lora),
     Row("full-weight sync (llama8b-full, 16 GB)", "full-sync", "record.json", full_sync),
+    Row("full-weight sync, H100 under MPS", "full-sync", "h100-mps.json", full_sync_alone),
     Row("colocated step (16 GB, KV filling the GPU)", "colocated-step", "record.json", colocated_step),
+    Row("colocated step, H100 (16 GB, KV filling the GPU)", "colocated-step", "h100.json", colocated_step_alone),
     Row("handoff: trainer sleep/wake", "handoff", "record.json", handoff),
     Row("engine-side transaction, A/B", "engine-transaction", "one-owner/summary.json", engine_transaction),
     Row("two CUDA contexts taking turns", "two-contexts", "record.json", two_contexts),
