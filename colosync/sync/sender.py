@@ -13,7 +13,6 @@ re-raises; the engine keeps serving its last committed version.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import math
@@ -42,8 +41,6 @@ from colosync.transports.base import Peers
 from colosync.wire.bucket import TensorSpec, typed_views
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, align_up
 from colosync.wire.protocol import Abort, Ack, Attach, Begin, BeginAgain, Commit, Detach, Prepare, Probe, Status
-
-_KEPT = 4096  # committed update ids remembered for ``lag``
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +150,6 @@ class Sender:
         self._begun: tuple[Layout, str, LoraSpec | None, AdapterPolicy] | None = None
         self._arena: Plan | None = None  # the one plan this Sender may push, if it hosts an arena
         self._peers: Peers | None = None  # the receivers the transport was made for (a set of engines)
-        self._committed: list[int] = []  # the update ids this Sender committed, ascending (the last _KEPT)
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -235,12 +231,6 @@ class Sender:
         hosts an arena pushes only the arena's tensors: drop through a second Sender.
         """
         return self.push([], verify=verify, adapters="drop")
-
-    def lag(self, update_id: int) -> int:
-        """How many updates this Sender committed after ``update_id``: the staleness of a sample that version
-        produced (0: it ran on the newest), whatever the engine (the version a ``Generation``, ``version_of`` or
-        a ``Rollout`` reports). Updates that failed are not versions, so they do not count."""
-        return len(self._committed) - bisect.bisect_right(self._committed, update_id)
 
     def arena(self, specs: Specs, device: torch.device | str) -> list[torch.Tensor]:
         """Tensors for ``specs`` that live inside the transport's shared buffer (``cuda_ipc``).
@@ -338,7 +328,6 @@ class Sender:
                 self.close()
             raise
         self._begun = (plan.layout, manifest.kind, lora, adapters)
-        self._committed = [*self._committed[-_KEPT + 1 :], uid]
         report = _report(uid, manifest.kind, transport.name, plan, timer, start, ack, verify is not None)
         return _with_engines(report, self.link)
 

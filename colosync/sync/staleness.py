@@ -18,7 +18,30 @@ import threading
 
 from colosync.errors import ConfigError, VersionLagError
 
-_KEPT = 4096  # begun updates remembered
+
+class UpdateIds:
+    """Update ids, ascending (the newest ``keep``), and how many came after one of them: a version's lag."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._ids: list[int] = []
+        self._keep = keep
+        self._lock = threading.Lock()  # a leaf: taken under the transaction's lock and under leases' condition
+
+    def add(self, update_id: int) -> None:
+        """Record ``update_id`` if it is newer than every one recorded (ids only grow; a repeat is ignored)."""
+        with self._lock:
+            if not self._ids or update_id > self._ids[-1]:
+                self._ids.append(update_id)
+                del self._ids[: -self._keep]
+
+    def after(self, update_id: int) -> int:
+        with self._lock:
+            return len(self._ids) - bisect.bisect_right(self._ids, update_id)
+
+    @property
+    def newest(self) -> int | None:
+        with self._lock:
+            return self._ids[-1] if self._ids else None
 
 
 class Staleness:
@@ -26,8 +49,7 @@ class Staleness:
 
     def __init__(self, max_lag: int | None = None) -> None:
         self.max_lag: int | None = None
-        self._begun: list[int] = []  # ascending
-        self._lock = threading.Lock()  # a leaf: taken under the transaction's lock and under leases' condition
+        self.begun = UpdateIds()
         self.limit(max_lag)
 
     def limit(self, max_lag: int | None) -> None:
@@ -38,17 +60,9 @@ class Staleness:
             )
         self.max_lag = max_lag
 
-    def began(self, update_id: int) -> None:
-        """The engine accepted the ``Begin`` of ``update_id``."""
-        with self._lock:
-            if update_id not in self._begun[-1:]:
-                bisect.insort(self._begun, update_id)
-                del self._begun[:-_KEPT]
-
     def behind(self, served: int) -> int:
         """How many updates the trainer began after ``served``."""
-        with self._lock:
-            return len(self._begun) - bisect.bisect_right(self._begun, served)
+        return self.begun.after(served)
 
     def too_far(self, served: int) -> bool:
         return self.max_lag is not None and self.behind(served) > self.max_lag
@@ -56,13 +70,11 @@ class Staleness:
     def refuse(self, served: int, what: str) -> None:
         """Raise ``VersionLagError`` for ``what`` (a generation) while ``served`` lags more than ``max_lag``."""
         if self.too_far(served):
-            with self._lock:
-                newest = self._begun[-1]
             raise VersionLagError(
                 f"the engine starts no {what} on update {served}: the trainer began {self.behind(served)} updates "
-                f"after it (the newest {newest}), more than max_lag={self.max_lag}; requests start again once a newer "
-                "update commits (push one), or raise max_lag"
+                f"after it (the newest {self.begun.newest}), more than max_lag={self.max_lag}; requests start again "
+                "once a newer update commits (push one), or raise max_lag"
             )
 
 
-__all__ = ["Staleness"]
+__all__ = ["Staleness", "UpdateIds"]

@@ -269,7 +269,7 @@ class EngineTransaction:
             return self._switch(request)
         ack = self.applies.handle(request)
         if isinstance(request, Begin):  # the trainer's newest version, whatever becomes of it
-            self.staleness.began(request.manifest.update_id)
+            self.staleness.begun.add(request.manifest.update_id)
         return ack
 
     def observe(self, ack: Ack) -> Ack:

@@ -169,12 +169,12 @@ def test_no_request_starts_on_a_version_more_than_max_lag_behind_the_trainer():
     """The trainer began updates 2 and 3 (2 failed): version 1 lags by 2, over max_lag=1, until 3 commits."""
     staleness = Staleness(max_lag=1)
     versions = Versions(2, lambda uid: None, room_timeout_s=0.3, staleness=staleness)
-    staleness.began(1)
+    staleness.begun.add(1)
     committed(versions, 1)
-    staleness.began(2)  # a push on its way (it will fail): one behind is allowed
+    staleness.begun.add(2)  # a push on its way (it will fail): one behind is allowed
     with versions.lease() as lease:
         assert lease.update_id == 1
-    staleness.began(3)
+    staleness.begun.add(3)
     assert staleness.behind(1) == 2
     with contextlib.ExitStack() as held:
         assert versions.try_lease(held) is None  # the driving thread starts none and steps on
@@ -184,6 +184,8 @@ def test_no_request_starts_on_a_version_more_than_max_lag_behind_the_trainer():
     with pytest.raises(VersionLagError, match="max_lag=1"):
         asyncio.run(_lease_async(versions))
     assert versions.in_flight() == {}  # the refused ones hold nothing
+    with versions.lease(bounded=False) as scoring:
+        assert scoring.update_id == 1  # a scoring request is not held up by the bound
 
     versions.room_timeout_s = 10.0
     got: list[int] = []
@@ -201,7 +203,7 @@ def test_without_max_lag_a_lagging_version_serves_and_a_bad_bound_is_refused():
     versions = Versions(2, lambda uid: None, staleness=staleness)
     committed(versions, 1)
     for uid in range(2, 10):
-        staleness.began(uid)
+        staleness.begun.add(uid)
     assert _leased(versions) == 1 and staleness.behind(1) == 8
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="max_lag"):

@@ -92,6 +92,44 @@ def test_bench_async_runs_both_commit_modes_and_checks_every_request(vllm_engine
     assert not any(i.keep_versions for i in vllm_engine.link.info())
 
 
+def test_pausing_commits_with_max_lag_start_no_rollout_and_no_generation_on_a_lagging_version(
+    vllm_engine, vllm_sender, vllm_model_dir
+):
+    """``commit_mode="wait"`` (the session's engine, before ``inflight``): two failed pushes leave the served
+    adapter two updates behind; ``lora_request`` refuses at once, ``Rollouts`` starts nothing and lives, scoring
+    goes on, and the next good push starts generation again."""
+    from colosync.engines.vllm.rollouts import Rollouts
+
+    trainer = adapter(vllm_model_dir, rank=8, seed=95)
+    good = vllm_sender.push_peft(trainer).update_id
+    poisoned = next(p for n, p in trainer.named_parameters() if "lora_B" in n)
+    saved = poisoned.detach().clone()
+    vllm_engine.link.limit_lag(1)
+    try:
+        with torch.no_grad():
+            poisoned.view(-1)[0] = float("nan")
+        for _ in range(2):
+            with pytest.raises(NonFiniteError):
+                vllm_sender.push_peft(trainer)
+        with pytest.raises(VersionLagError, match=rf"update {good}: the trainer began 2 updates"):
+            _ = vllm_engine.lora_request
+        scores, updates = vllm_engine.link.score(PROMPTS[:1], [[3, 4]], vllm_engine.link.default_lora())
+        assert updates == {good} and len(scores[0]) == 2  # scoring is not a sample: it is served
+        rollouts = Rollouts(vllm_engine, PROMPTS, greedy_params(NEW), concurrency=2).start()
+        time.sleep(0.5)
+        assert rollouts.finished == [] and rollouts.error is None
+        with torch.no_grad():
+            poisoned.copy_(saved)
+        fill_lora(trainer, 96)
+        fresh = vllm_sender.push_peft(trainer).update_id
+        until(lambda: len(rollouts.finished) >= 2, rollouts)
+        done = rollouts.stop()
+    finally:
+        vllm_engine.link.limit_lag(None)
+    want = greedy(trainer, PROMPTS, NEW)[0]
+    assert all(r.version == fresh and r.tokens == want[r.prompt] for r in done)
+
+
 def test_a_stable_lora_request_is_refused_where_versions_are_leased(inflight):
     engine, _ = inflight
     with pytest.raises(ConfigError, match="engine.lease"):
@@ -212,7 +250,7 @@ def test_no_request_starts_on_a_version_more_than_max_lag_behind_while_generatio
     versions = engine.link.versions
     trainer = adapter(vllm_model_dir, rank=8, seed=90)
     good = sender.push_peft(trainer).update_id
-    engine.link.transaction.staleness.limit(1)
+    engine.link.limit_lag(1)
     rollouts = Rollouts(engine, PROMPTS, greedy_params(NEW), concurrency=2).start()
     try:
         poisoned = next(p for n, p in trainer.named_parameters() if "lora_B" in n)
@@ -238,7 +276,7 @@ def test_no_request_starts_on_a_version_more_than_max_lag_behind_while_generatio
         until(lambda: sum(r.started > stale_at for r in rollouts.finished) >= 4, rollouts)  # started again
     finally:
         done = rollouts.stop()
-        engine.link.transaction.staleness.limit(None)
+        engine.link.limit_lag(None)
         versions.room_timeout_s = 600.0
     late = [r for r in done if r.started > stale_at]
     assert late and all((r.leased, r.version) == (fresh, fresh) for r in late), "nothing started on the stale one"

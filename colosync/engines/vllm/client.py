@@ -52,9 +52,9 @@ class _EngineClient:
         Raises ``FailedClosedError`` while the engine refuses to serve.
         """
         self.link.transaction.refuse_unless_serving("generation with the colosync adapter")
-        self.link.transaction.refuse_if_behind("generation with the colosync adapter")
         if self.link.versions is not None:
             self.link.default_lora()  # raises: in this mode a request's version is held by a lease
+        self.link.transaction.refuse_if_behind("generation with the colosync adapter")
         if not self.link.lora_update_id:
             raise EngineError(
                 "this engine serves no colosync LoRA adapter: none was committed yet, or a full update dropped it "

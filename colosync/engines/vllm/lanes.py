@@ -151,10 +151,11 @@ class VllmLane(Submits):
             lora_path=IN_MEMORY_PATH,
         )
 
-    def lease(self) -> AbstractContextManager[Lease]:
-        """``with lane.lease() as lease``: this adapter's served version for one request, held until it ends."""
+    def lease(self, bounded: bool = True) -> AbstractContextManager[Lease]:
+        """``with lane.lease() as lease``: this adapter's served version for one request, held until it ends
+        (``bounded=False``: one that ``max_lag`` does not hold up, a scoring one)."""
         self.transaction.refuse_unless_serving("generation")
-        return self.versions.lease()
+        return self.versions.lease(bounded)
 
     def lease_async(self) -> AbstractAsyncContextManager[Lease]:
         """``async with lane.lease_async() as lease``: ``lease`` on an ``AsyncLLM``'s event loop."""

@@ -25,8 +25,6 @@ synchronous ``LLM`` do not generate from another thread during a verified commit
 With ``commit_mode="inflight"`` (asynchronous RL) a LoRA commit does not pause vLLM: the new
 version is installed beside the served one, verified, then published to new requests, and running
 requests finish on their version (``versions.Versions``); a full update still pauses, drained.
-``max_lag`` bounds how far behind its trainer a version may be for a request to start on it
-(``sync.staleness``): a lease waits for a newer commit, ``default_lora`` refuses at once.
 """
 
 from __future__ import annotations
@@ -115,21 +113,18 @@ class _VllmLinkBase(Submits):
         self.pause_mode = "wait" if commit_mode == "inflight" else commit_mode
         self.workers = _Workers(self._rpc)
         self.transaction = EngineTransaction(self.workers, self)
-        self.transaction.staleness.limit(max_lag)  # each named adapter's transaction gets the same bound
+        self.transaction.staleness.limit(max_lag)  # each named adapter's transaction gets the same (limit_lag)
         self.slots = Slots()  # vLLM's max_loras, shared by the default adapter and the named ones
-        inflight = commit_mode == "inflight"
-        self.versions = (
-            Versions(
+        self.versions: Versions | None = None
+        if commit_mode == "inflight":
+            self.versions = Versions(
                 versions_in_flight,
                 self._retire,
                 slots=self.slots,
                 retire_in_thread=self.retire_in_thread,
                 staleness=self.transaction.staleness,
             )
-            if inflight
-            else None
-        )
-        if self.versions is None:  # the default adapter under its stable id holds a slot while it serves
+        else:  # the default adapter under its stable id holds a slot while it serves
             self.slots.fixed = lambda: int(bool(self.transaction.adapter))
         self.lanes: dict[str, VllmLane] = {}  # the named adapters, by name
         self.driver: Any = None  # a ``Rollouts`` loop driving the LLM, which then runs the link's requests
@@ -179,7 +174,6 @@ class _VllmLinkBase(Submits):
     def default_lora(self) -> Any:
         """What generation uses by default: the committed colosync adapter, else the base model (None)."""
         self.transaction.refuse_unless_serving("generation")
-        self.transaction.refuse_if_behind("generation")  # between commits: they pause generation
         if self.versions is not None:
             raise ConfigError(
                 "with commit_mode='inflight' a request's adapter version is held by a lease, so that it is retired "
@@ -188,9 +182,10 @@ class _VllmLinkBase(Submits):
             )
         return colosync_lora_request() if self.transaction.adapter else None
 
-    def lease(self) -> AbstractContextManager[Lease]:
-        """``with link.lease() as lease``: the served version for one request (``commit_mode="inflight"``)."""
-        return self._leased_versions().lease()
+    def lease(self, bounded: bool = True) -> AbstractContextManager[Lease]:
+        """``with link.lease() as lease``: the served version for one request (``commit_mode="inflight"``;
+        ``bounded=False``: one that ``max_lag`` does not hold up, a scoring one)."""
+        return self._leased_versions().lease(bounded)
 
     def lease_async(self) -> AbstractAsyncContextManager[Lease]:
         """``async with link.lease_async() as lease``: ``lease`` on an ``AsyncLLM``'s event loop."""
@@ -271,6 +266,13 @@ class _VllmLinkBase(Submits):
             alone = self.driver.alone() if self.driver is not None else self.slots.alone(ROOM_TIMEOUT_S)
         with alone:
             return self.score(probe.prompts, probe.completions, lora)
+
+    def limit_lag(self, max_lag: int | None) -> None:
+        """``max_lag`` (``sync.staleness``) from now on, for the default adapter and every named one."""
+        for transaction in (self.transaction, *(lane.transaction for lane in self.lanes.values())):
+            transaction.staleness.limit(max_lag)
+        with self.slots.cond:  # a waiting lease looks again
+            self.slots.cond.notify_all()
 
     # -- named adapters -------------------------------------------------------------------------
     def lane(self, name: str) -> VllmLane:

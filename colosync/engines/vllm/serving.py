@@ -101,13 +101,13 @@ class VllmServing:
             lane = link.lanes.get(adapter)
             if lane is None:
                 raise ConfigError(f"this engine has no adapter {adapter!r}; it has {sorted(link.lanes)}: push it first")
-            with lane.lease() as lease:
+            with lane.lease(bounded=False) as lease:  # the host refused a Generate that lags: it never waits
                 yield lease.lora_request
             return
         if link.versions is None:
             yield link.default_lora()
             return
-        with link.lease() as lease:
+        with link.lease(bounded=False) as lease:
             yield lease.lora_request
 
     def _generate(self, request: Generate) -> Generation:

@@ -21,7 +21,6 @@ in this mode generate through a lease (``VllmEngine.lease``, ``VllmServing``), n
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import threading
@@ -33,11 +32,10 @@ from typing import Any
 
 from colosync.engines.vllm.worker import IN_MEMORY_PATH, VERSIONED_ID_BASE
 from colosync.errors import ConfigError, EngineError
-from colosync.sync.staleness import Staleness
+from colosync.sync.staleness import Staleness, UpdateIds
 
 log = logging.getLogger(__name__)
 
-_KEPT = 4096  # published versions remembered for ``lag``
 ROOM_TIMEOUT_S = 600.0  # how long a commit waits for a slot, a full update or a probe for requests to end
 
 
@@ -149,16 +147,17 @@ class Versions:
         self._stuck: set[int] = set()  # superseded versions whose retirement failed: still in a slot, retried
         self._exclusive = False
         self._reserved = False  # a commit made room and has not installed (or failed) yet: its slot is taken
-        self._published: list[int] = []  # the versions handed to requests, oldest first (the last _KEPT)
+        self._published = UpdateIds()  # the versions handed to requests (LoRA ones and full updates)
 
     # -- requests ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lease(self) -> Iterator[Lease]:
+    def lease(self, bounded: bool = True) -> Iterator[Lease]:
         """The served version for one request, held until the request ends (waits out a full update, and a
-        version too far behind its trainer for ``room_timeout_s``)."""
+        version too far behind its trainer for ``room_timeout_s``; ``bounded=False``: a scoring request, which
+        the staleness bound does not hold up)."""
         deadline = time.monotonic() + self.room_timeout_s
         with self._cond:
-            while self._closed():  # a full update drains or applies, a probe is scored alone, or it lags too far
+            while self._closed(bounded):  # a full update drains or applies, a probe is scored alone, or a lag
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._refuse_lag()
@@ -193,13 +192,14 @@ class Versions:
         held.callback(self._release, uid)
         return Lease(uid, self.request_of(uid) if uid else None)
 
-    def _closed(self) -> bool:
-        return self._exclusive or self.slots.quiet > 0 or self.staleness.too_far(self.served())
+    def _closed(self, bounded: bool = True) -> bool:
+        return self._exclusive or self.slots.quiet > 0 or (bounded and self.staleness.too_far(self.served()))
 
     def served(self) -> int:
         """The newest version published (a LoRA one, or a full update's): what a new request runs on."""
         with self._cond:
-            return self._published[-1] if self._published else self.current
+            newest = self._published.newest
+            return self.current if newest is None else newest
 
     def _refuse_lag(self) -> None:
         """Raise ``VersionLagError`` if no lease starts because the served version lags too far."""
@@ -232,7 +232,7 @@ class Versions:
         """How many versions were published after ``update_id`` (LoRA versions and full updates): the staleness
         of a sample it produced (0: it ran on the newest)."""
         with self._cond:
-            return len(self._published) - bisect.bisect_right(self._published, update_id)
+            return self._published.after(update_id)
 
     def installed(self) -> list[int]:
         """Every version the workers hold now: the served one, superseded ones still running, one being committed."""
@@ -313,7 +313,7 @@ class Versions:
             if not self.pending:
                 return
             old, self.current, self.pending = self.current, self.pending, 0
-            self._published = [*self._published[-_KEPT + 1 :], self.current]
+            self._published.add(self.current)
             retire = bool(old) and self._leases[old] == 0
             if old and not retire:
                 self._superseded.add(old)
@@ -359,8 +359,7 @@ class Versions:
         """After a full update: the workers serve ``adapter``'s LoRA (0: none) on the weights of ``committed``."""
         with self._cond:
             self.current, self.pending = adapter, 0
-            if not self._published or committed > self._published[-1]:
-                self._published = [*self._published[-_KEPT + 1 :], committed]
+            self._published.add(committed)
 
     def _retire_soon(self, uid: int) -> None:
         """Retire ``uid`` now, or from a thread of its own (``retire_in_thread``); its slot counts until done."""
