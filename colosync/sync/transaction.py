@@ -241,6 +241,10 @@ class EngineTransaction:
                 "(a full one: the engine serves again once it commits)"
             )
 
+    def lagging(self) -> bool:
+        """Whether the committed version lags its trainer more than ``max_lag`` (``refuse_if_behind`` would raise)."""
+        return self.staleness.too_far(self.committed_update_id)
+
     def refuse_if_behind(self, what: str) -> None:
         """Raise ``VersionLagError`` for ``what`` while the committed version lags its trainer more than ``max_lag``
         (``staleness``); for an engine whose host serialises requests, so nothing commits while one waits."""

@@ -200,7 +200,7 @@ class Rollouts:
         if link.versions is not None:
             lease = link.versions.try_lease(held)
             return (lease.update_id, lease.lora_request) if lease is not None else None
-        if link.transaction.staleness.too_far(link.committed_update_id):  # max_lag: none starts until a commit
+        if link.transaction.lagging():  # max_lag: none starts until a newer update commits
             return None
         lora = link.default_lora()
         return (link.lora_update_id if lora is not None else 0), lora

@@ -193,7 +193,11 @@ class Versions:
         return Lease(uid, self.request_of(uid) if uid else None)
 
     def _closed(self, bounded: bool = True) -> bool:
-        return self._exclusive or self.slots.quiet > 0 or (bounded and self.staleness.too_far(self.served()))
+        return self._exclusive or self.slots.quiet > 0 or (bounded and self._lagging())
+
+    def _lagging(self) -> bool:
+        """Whether ``max_lag`` holds new requests off (the served version is read only under a bound)."""
+        return self.staleness.max_lag is not None and self.staleness.too_far(self.served())
 
     def served(self) -> int:
         """The newest version published (a LoRA one, or a full update's): what a new request runs on."""
