@@ -66,7 +66,7 @@ from colosync.errors import FingerprintMismatchError, ManifestError, NonFiniteEr
 from colosync.kernels import fused
 from colosync.kernels.fused import Segment
 from colosync.sync.target import ReceiverPolicy, Staging
-from colosync.transports.cuda_graphs import GraphCache, tensors_key
+from colosync.transports.cuda_graphs import GraphCache, LayoutVersion
 from colosync.wire.bucket import tensor_views, typed_views
 from colosync.wire.manifest import Layout, LoraSpec, TensorMeta, UpdateManifest
 from colosync.wire.protocol import Stage
@@ -88,7 +88,7 @@ class ViewKey(NamedTuple):
 class BucketPlan:
     """What landing one bucket of a layout needs, computed once per layout."""
 
-    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views", "_graphs")
+    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views", "layout", "_graphs")
 
     def __init__(self, size: int, indices: list[int], metas: list[TensorMeta]) -> None:
         self.size, self.indices, self.metas = size, indices, metas
@@ -96,6 +96,7 @@ class BucketPlan:
         self.single = len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == size
         self.segments = fused.segments(metas, size)  # None: check finiteness tensor by tensor (fp8)
         self.views: dict[ViewKey, list[torch.Tensor]] = {}
+        self.layout = LayoutVersion()  # of the engine's destination tensors, which its graphs bake in
         self._graphs: GraphCache | None = None
 
     def graphs(self, device: torch.device) -> GraphCache:
@@ -538,7 +539,7 @@ class Landing(abc.ABC):
             with torch.no_grad():
                 torch._foreach_copy_(dsts, views, non_blocking=True)
 
-        def key() -> tuple[Any, ...]:  # the engine lends these tensors: shapes, strides and dtypes are keyed
+        def key() -> tuple[Any, ...]:  # the engine lends these tensors: addresses and layout are keyed
             return (
                 "slot",
                 bucket,
@@ -547,7 +548,7 @@ class Landing(abc.ABC):
                 row.data_ptr(),
                 cell.data_ptr() if cell is not None else 0,
                 self._finite,
-                tensors_key(dsts, shapes=True),
+                b.layout.key(dsts),
             )
 
         self._run(b, key, work)

@@ -37,7 +37,7 @@ from colosync.kernels import fused, gather
 from colosync.sync.link import EngineOutcome
 from colosync.sync.plan import STAGING, Plan, Plans, StreamSource, ViewKey
 from colosync.transports import SenderTransport
-from colosync.transports.cuda_graphs import GraphCache, tensors_key
+from colosync.transports.cuda_graphs import GraphCache
 from colosync.wire.protocol import Ack, Begin, BeginAgain, Commit, Delivery, Prepare, Stage
 
 if TYPE_CHECKING:
@@ -289,9 +289,12 @@ class BucketStreamer:
                 if tensors is None:
                     raise ConfigError("stream() sends from tensors or from a source; pass one")
                 srcs = tensors[i0:i1]
-                if check:
-                    plan.check(bucket, srcs)
             device = srcs[0].device if srcs else slot_device
+            # One C++ pass over the sources' shapes, strides and dtypes, for the check, gather rows and graph keys
+            # (an arena's own tensors are told by identity: nothing of theirs is read).
+            layout = plan.layout_number(bucket, srcs) if check or (device.type == "cuda" and plan.arena is None) else 0
+            if check:
+                plan.check(bucket, srcs, layout)
             to_host = device.type == "cuda" and not to_cuda  # copies out on the staging buffers' stream
             staged: int | None = None  # which staging buffer the bucket is packed in
             direct = False  # packed straight into its slot
@@ -305,14 +308,14 @@ class BucketStreamer:
                 if self._device_fp and packed.is_cuda:
                     cell = transport.fingerprint_cell(bucket)
                 if cell is not None:
-                    self._pack_checked(plan, bucket, slot, packed, srcs, cell)  # one graph once seen
+                    self._pack_checked(plan, bucket, slot, packed, srcs, cell, layout)  # one graph once seen
                 else:
                     plan.pack(ViewKey(bucket, slot), packed, srcs)
                 direct = True
             else:
                 staged = bucket % 2 if to_host else 0
                 packed = self._staging.buffer(staged, size, device)
-                checked = self._gather(plan, bucket, packed, srcs)  # packed and fingerprinted in one pass
+                checked = self._gather(plan, bucket, packed, srcs, layout)  # packed and fingerprinted in one pass
                 if checked is None:
                     plan.pack(ViewKey(bucket, STAGING - staged), packed, srcs)  # views per buffer
             # One pass for the fingerprint -- fused with the copy into the slot where there is one copy.
@@ -368,7 +371,14 @@ class BucketStreamer:
         # the last Stage stays held: ``finish`` sends it with Prepare and Commit (one Batch where the link can)
 
     def _pack_checked(
-        self, plan: Plan, bucket: int, slot: int, packed: torch.Tensor, srcs: list[torch.Tensor], cell: torch.Tensor
+        self,
+        plan: Plan,
+        bucket: int,
+        slot: int,
+        packed: torch.Tensor,
+        srcs: list[torch.Tensor],
+        cell: torch.Tensor,
+        layout: int,
     ) -> None:
         """Pack a bucket into its slot and fingerprint it into ``cell``: a CUDA graph replay for work seen before.
 
@@ -384,9 +394,11 @@ class BucketStreamer:
         table: torch.Tensor | None = None  # the gather kernel's rows, when it packs
         if arena is not None and slot == 0 and all(map(operator.is_, srcs, arena[i0:i1])):
             how = "arena"
-        elif gather.enabled(packed.device):
+        elif not layout:  # not read up front for a plan with an arena; other tensors are keyed by it
+            layout = plan.layout_number(bucket, srcs)
+        if how is None and gather.enabled(packed.device):
             rows = plan.gather_table(bucket, packed.device)
-            if rows.bind(srcs):
+            if rows.bind(srcs, layout):
                 how, table = "gather", rows.table
 
         def work() -> None:
@@ -398,13 +410,15 @@ class BucketStreamer:
             plan.pack(ViewKey(bucket, slot), packed, srcs)
             fused.copy_check(packed, None, None, out=cell)
 
-        # The plan pins the shapes and dtypes of srcs (it was built from them); everything else is keyed.
         def key() -> tuple[Any, ...]:
-            return (bucket, slot, packed.data_ptr(), packed.numel(), cell.data_ptr(), how or tensors_key(srcs))
+            where = how or (tuple(map(torch.Tensor.data_ptr, srcs)), layout)  # what the graph bakes in
+            return (bucket, slot, packed.data_ptr(), packed.numel(), cell.data_ptr(), where)
 
-        cache.run(key, work)  # the key (0.1-0.3 ms of CPU for 624 tensors unless arena or gather) only with graphs on
+        cache.run(key, work)  # the key only with graphs on
 
-    def _gather(self, plan: Plan, bucket: int, packed: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor | None:
+    def _gather(
+        self, plan: Plan, bucket: int, packed: torch.Tensor, srcs: list[torch.Tensor], layout: int
+    ) -> torch.Tensor | None:
         """Pack bucket ``bucket`` into ``packed`` in one launch: its ``[fingerprint, 0]``, or None if it cannot.
 
         The launch (with the zeroing of the padding and of the result) replays as a CUDA graph
@@ -416,7 +430,7 @@ class BucketStreamer:
         if not gather.enabled(device):
             return None
         table = plan.gather_table(bucket, device)
-        if not table.bind(srcs):
+        if not table.bind(srcs, layout):
             return None
         rows = self._checked.get(device)
         if rows is None:

@@ -19,6 +19,7 @@ import torch
 
 from colosync.errors import ManifestError
 from colosync.kernels.gather import GatherTable
+from colosync.transports.cuda_graphs import LayoutVersion
 from colosync.wire.bucket import TensorSpec, plan_buckets, typed_views
 from colosync.wire.manifest import AdapterPolicy, Layout, LoraSpec, TensorMeta, UpdateManifest, manifest_digest
 
@@ -80,6 +81,8 @@ class Plan:
         self._gap_index: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._gather: dict[tuple[int, torch.device], GatherTable] = {}
         self._digests: dict[tuple[str, LoraSpec | None, AdapterPolicy], bytes] = {}
+        self._layouts = [LayoutVersion() for _ in sizes]  # per bucket: its sources' layout as last seen
+        self._checked = [0] * len(sizes)  # per bucket: the layout number of the sources that last passed ``check``
 
     def manifest(self, update_id: int, lora: LoraSpec | None, adapters: AdapterPolicy = "drop") -> UpdateManifest:
         return UpdateManifest(update_id, "lora" if lora else "full", self.layout, lora, adapters)
@@ -125,13 +128,23 @@ class Plan:
             table = self._gather[(bucket, device)] = GatherTable(self.metas[i0:i1], device)
         return table
 
-    def check(self, bucket: int, srcs: Sequence[torch.Tensor]) -> None:
-        """Raise ``LayoutChanged`` unless ``srcs`` have the shapes and dtypes planned for bucket ``bucket``."""
+    def layout_number(self, bucket: int, srcs: Sequence[torch.Tensor]) -> int:
+        """Bucket ``bucket``'s ``srcs`` as a ``LayoutVersion`` number: what ``check``, gather rows and graphs key on."""
+        return self._layouts[bucket].of(srcs)
+
+    def check(self, bucket: int, srcs: Sequence[torch.Tensor], layout: int = 0) -> None:
+        """Raise ``LayoutChanged`` unless ``srcs`` have the shapes and dtypes planned for bucket ``bucket``.
+
+        ``layout`` (``Plan.layout_number``): the same number as at the last check that passed means the
+        same shapes and dtypes, and nothing is read again."""
+        if layout and layout == self._checked[bucket]:
+            return
         i0, i1 = self.bounds[bucket]
         if list(map(_SHAPE, srcs)) != self.shapes[i0:i1] or list(map(_DTYPE, srcs)) != self.dtypes[i0:i1]:
             raise LayoutChanged(
                 f"bucket {bucket}'s tensors changed shape or dtype since the last push with these names"
             )
+        self._checked[bucket] = layout
 
     def drop_views(self, staging_only: bool = False) -> None:
         """Forget the views of buffers that were replaced or freed: the staging buffer's, or all (and the arena)."""

@@ -99,6 +99,19 @@ def test_sources_the_kernel_cannot_read_are_refused():
     assert table.ptrs == (w.data_ptr(), v.data_ptr())  # a refusal leaves the rows as they were
 
 
+def test_bound_rows_are_kept_for_the_same_addresses_and_layout_and_refused_once_it_changes():
+    """``bind`` skips its checks only for the very addresses and layout number it bound: a source turned
+    non-contiguous in place (same address, same shape) gets a new number and is refused."""
+    plan = Plan([("w", (4, 4), torch.float32), ("v", (16,), torch.int8)], 1 << 20)
+    table = plan.gather_table(0, torch.device("cpu"))
+    w, v = torch.randn(4, 4), torch.zeros(16, dtype=torch.int8)
+    assert table.bind([w, v], plan.layout_number(0, [w, v]))
+    assert table.bind([w, v], plan.layout_number(0, [w, v])) and table.layout == plan.layout_number(0, [w, v])
+    w.data = w.data.t()  # in place: the rows' address, the plan's shape, not contiguous
+    assert not table.bind([w, v], plan.layout_number(0, [w, v]))
+    assert not table.bind([w, v])  # and without a number, read in full
+
+
 def test_rows_cover_every_word_once_in_chunks():
     specs = [("a", (2 * CHUNK + 3,), torch.int64), ("b", (5,), torch.int64), ("c", (0,), torch.int64)]
     plan = Plan(specs, 1 << 30)

@@ -93,13 +93,14 @@ def test_tensors_that_changed_shape_or_dtype_under_the_same_names_are_planned_ag
     with Sender(link, transport="shm", bucket_bytes=4096, slots=2) as sender:
         a, b = torch.randn(600), torch.randn(600)  # 2400 bytes each: one bucket each, b's second
         sender.push([("a", a), ("b", b)])
+        sender.push([("a", a), ("b", b)])  # checked by names: the layouts that passed are remembered
         first = sender._plans.last
         assert len(first.sizes) == 2
         b.data = torch.randn(700)  # the same tensor object under the same name, a new shape
         with caplog.at_level(logging.INFO, logger="colosync.sync.sender"):
             report = sender.push([("a", a), ("b", b)])
         assert "changed shape or dtype" in caplog.text and "planning again" in caplog.text
-        assert report.update_id == 3  # update 2 began and packed bucket 0, and was aborted at bucket 1's check
+        assert report.update_id == 4  # update 3 began and packed bucket 0, and was aborted at bucket 1's check
         assert sender._plans.last is not first and sender._plans.last.shapes == [(600,), (700,)]
         assert torch.equal(engine.tensors["a"], a) and torch.equal(engine.tensors["b"], b)
         b.data = b.data.double()  # dtype only

@@ -25,7 +25,8 @@ from colosync.sync.landing import LayoutPlan
 from colosync.sync.receiver import Receiver
 from colosync.sync.sender import Sender
 from colosync.sync.target import Staging
-from colosync.transports.cuda_graphs import GraphCache, tensors_key
+from colosync.transports import cuda_graphs
+from colosync.transports.cuda_graphs import GraphCache, LayoutVersion
 from colosync.transports.cuda_ipc import FINGERPRINT_CELLS, CudaIpcHandle
 from colosync.wire.bucket import plan_buckets
 from colosync.wire.manifest import UpdateManifest
@@ -34,20 +35,56 @@ from tests.helpers import pack_into
 
 
 # -- CPU: keys, bookkeeping, handle ------------------------------------------------------------
-def test_key_changes_with_storage_and_strides_not_with_values():
+@pytest.fixture(params=["torch", "python"])
+def guard(request, monkeypatch):
+    """Each way ``LayoutVersion`` compares layouts: torch's TensorGuards, and the Python fallback."""
+    impl = cuda_graphs._torch_guard if request.param == "torch" else cuda_graphs._python_guard
+    monkeypatch.setattr(cuda_graphs, "_guard_maker", lambda: impl)
+    return request.param
+
+
+def test_torchs_tensor_guards_pass_the_self_test_on_this_torch():
+    """The fast comparison is the one in use: a torch that broke it would cost every sync 0.1-0.3 ms, silently."""
+    assert cuda_graphs._guard_maker() is cuda_graphs._torch_guard
+
+
+def test_a_layout_keeps_its_number_until_a_shape_stride_dtype_or_count_changes(guard):
+    layouts = LayoutVersion()
+    a, b = torch.randn(8, 8), torch.zeros(3, dtype=torch.int64)
+    first = layouts.of([a, b])
+    a.mul_(2)  # new values
+    assert layouts.of([a, b]) == first
+    assert layouts.of([torch.ones(8, 8), torch.ones(3, dtype=torch.int64)]) == first  # other memory, same layout
+    seen = {first}
+    for changed in (
+        [a.t(), b],  # same shape, other strides
+        [a.view(64), b],
+        [a.view(4, 16), b],
+        [a, b.int()],  # dtype
+        [a, b, b],  # count
+        [a],
+    ):
+        number = layouts.of(changed)
+        assert number not in seen, changed
+        assert layouts.of(changed) == number  # and it holds for as long as the layout does
+        seen.add(number)
+    c = torch.zeros(4, 4)
+    before = layouts.of([c])
+    c.data = c.data.t()  # the same tensor object, in place: the same address and shape, other strides
+    assert layouts.of([c]) != before
+    assert LayoutVersion().of([c]) not in seen | {before}  # numbers are unique across owners
+
+
+def test_a_key_changes_with_the_memory_and_the_layout_not_with_values(guard):
+    layouts = LayoutVersion()
     a = torch.randn(8, 8)
-    key = tensors_key([a])
+    key = layouts.key([a])
     a.mul_(2)  # new values, same memory: the same graph is right
-    assert tensors_key([a]) == key
-    assert tensors_key([a.clone()]) != key  # new storage
-    assert tensors_key([a.t()]) != key  # same storage and shape, other strides
-    assert tensors_key([a[1:]]) != tensors_key([a[:-1]])  # other offset
-    flat = a.view(64)
-    assert tensors_key([flat]) != tensors_key([a])  # other strides
-    b = a.view(8, 8)
-    assert tensors_key([b], shapes=True) == tensors_key([a], shapes=True)
-    assert tensors_key([a.view(torch.int32)], shapes=True) != tensors_key([a], shapes=True)  # dtype
-    assert tensors_key([a.view(4, 16)], shapes=True) != tensors_key([a.view(2, 32)], shapes=True)
+    assert layouts.key([a]) == key
+    assert layouts.key([a.clone()]) != key  # new storage
+    assert layouts.key([a.t()]) != key  # same storage and shape, other strides
+    assert layouts.key([a[1:]]) != layouts.key([a[:-1]])  # other offset
+    assert layouts.key([a.view(torch.int32)]) != key  # dtype
 
 
 def test_cache_is_eager_without_cuda():

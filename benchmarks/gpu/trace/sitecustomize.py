@@ -111,6 +111,8 @@ if os.environ.get("COLOSYNC_TRACE_DIR"):
         if hasattr(plan, "LayoutChanged"):  # the plan by names, each bucket checked
             _wrap(plan.Plans, "named", "T.plans_named")
             _wrap(plan.Plan, "check", "T.plan_check")
+        if hasattr(graphs, "LayoutVersion"):  # layouts checked in one C++ pass
+            _wrap(graphs.LayoutVersion, "of", "X.layout_of")
         gather = m("colosync.kernels.gather")
         _wrap(gather.GatherTable, "bind", "T.gather_bind")
 
