@@ -126,7 +126,7 @@ def engine_transaction(record: Record) -> tuple[str, str, str]:
         return f"{statistics.median(m[path]['old']):.3f} → {statistics.median(m[path]['new']):.3f}"
 
     head = f"after/before, ms: `cuda_ipc` {pair('cuda_ipc')}, arena {pair('cuda_ipc+arena')}, `shm` {pair('shm')}"
-    ref = f"the tree before, `{record['old_commit']}`, alternated in one run (3 pairs)"
+    ref = f"the tree before, `{record['old_commit']}`, alternated in one run ({len(m['cuda_ipc']['old'])} pairs)"
     return head, ref, f"D2H ‖ H2D {pair('floor:pinned d2h || h2d')}"
 
 
@@ -248,6 +248,7 @@ ROWS = [
     Row("colocated step, H100 (16 GB, KV filling the GPU)", "colocated-step", "h100.json", colocated_step_alone),
     Row("handoff: trainer sleep/wake", "handoff", "record.json", handoff),
     Row("engine-side transaction, A/B", "engine-transaction", "one-owner/summary.json", engine_transaction),
+    Row("seed-lora, layouts in one pass, A/B (H100)", "seed-lora", "layout-guard/summary.json", engine_transaction),
     Row("two CUDA contexts taking turns", "two-contexts", "record.json", two_contexts),
     Row("sync kernels alone", "kernels", "record.json", kernels),
     Row("control channel", "channel", "record.json", channel),
