@@ -53,3 +53,14 @@ def test_workload_errors_name_the_fix(tmp_path):
 def test_cli_bench_unknown_workload_exits_2(capsys):
     assert main(["bench", "--device", "cpu", "--workload", "seed-lor"]) == 2
     assert "colosync bench: no sync workload preset named 'seed-lor'" in capsys.readouterr().err
+
+
+def test_the_mechanism_row_is_skipped_with_its_reason_where_the_device_cannot_hold_it(monkeypatch):
+    """A payload the device cannot hold twice more would end the mechanism's engine process after every other
+    row had been measured; the row is left out instead, and the note says how much it needed."""
+    from colosync.tools.bench import sync
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 80 << 30))
+    assert sync._mechanism_room(169_417_728, "cuda:0") is None  # seed-lora: room to spare
+    why = sync._mechanism_room(16_060_522_496, "cuda:0")  # llama8b-full: 2 x 15 GiB + 1
+    assert why is not None and "30.9 GiB free on cuda:0" in why and "20.0 GiB are" in why

@@ -99,7 +99,16 @@ class MechanismPath(EngineOverPipe):
         self.stream.synchronize()
         self._spawn(_engine, str(device))
         self._conn.send_bytes(ForkingPickler.dumps((self.buffer, self.event.ipc_handle(), metas, self.payload)))
-        if self._conn.recv_bytes() != b"ready":
+        try:
+            ready = self._conn.recv_bytes()
+        except EOFError:
+            self._process.join(10)
+            raise EngineError(
+                f"the mechanism's engine process exited (code {self._process.exitcode}) before it was ready; "
+                f"it allocates {2 * self.payload / 2**30:.1f} GiB on {device} (see its traceback above), "
+                "so pass --no-floor where the device cannot hold that beside the trainer's tensors"
+            ) from None
+        if ready != b"ready":
             raise EngineError("the mechanism's engine process did not get ready")
 
     def push(self) -> float:

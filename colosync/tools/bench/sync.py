@@ -273,6 +273,21 @@ def _bench_reference(mode: str, named, device, bucket_bytes: int, warmup: int, r
     )
 
 
+def _mechanism_room(nbytes: int, device) -> str | None:
+    """Why the mechanism row cannot run beside the trainer's tensors on ``device`` (None: it can).
+
+    It holds the payload twice more on the device (the exported buffer and the engine's copy),
+    with the paths before it freed; a payload that does not fit would end its engine process
+    mid-setup after every other row had been measured."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    need = 2 * nbytes + (1 << 30)  # and a GiB for the engine's CUDA context and graphs
+    if free >= need:
+        return None
+    return f"it needs {need / 2**30:.1f} GiB free on {device} beside the trainer's tensors, {free / 2**30:.1f} GiB are"
+
+
 def _bench_mechanism(named, device, warmup: int, repeats: int, tick) -> PathResult:
     """The bare ``cuda_ipc`` mechanism between two processes (``colosync.tools.bench.mechanism``)."""
     from colosync.engines.sink import tensor_digests
@@ -463,8 +478,12 @@ def run_bench(args: argparse.Namespace, progress=None) -> BenchResult:
         results += floors
         by = {f.path: f for f in floors}
         floor_ms = max(by["floor:pinned d2h"].median_ms, by["floor:pinned h2d"].median_ms)
-        status(f"floor:ipc mechanism ({workload.name})")
-        results.append(_bench_mechanism(named, device, warmup, repeats, tick))
+        room = _mechanism_room(workload.bytes, device)
+        if room is None:
+            status(f"floor:ipc mechanism ({workload.name})")
+            results.append(_bench_mechanism(named, device, warmup, repeats, tick))
+        else:
+            notes.append(f"floor:ipc mechanism skipped: {room}")
     ref_medians = {r.path: r.median_ms for r in results if r.kind == "reference"}
     for r in results:
         if floor_ms:
