@@ -89,21 +89,21 @@ class GatherTable:
         self._static = torch.tensor(static, dtype=torch.int64).reshape(-1, 3)
         self.table = torch.empty(len(index), 3, dtype=torch.int64, device=device)
         self.ptrs: tuple[int, ...] | None = None  # the sources the rows name now
-        self.layout = 0  # and the layout number they had then
+        self.layout_number = 0  # and the layout number they had then
 
     def bind(self, srcs: Sequence[torch.Tensor], layout: int = 0) -> bool:
         """Point the rows at ``srcs`` (rewritten only if they moved); False if they do not qualify.
 
-        ``layout``: a number for the sources' shapes, strides and dtypes (``LayoutVersion``; 0 if
+        ``layout``: a number for the sources' shapes, strides, dtypes and devices (``LayoutVersion``; 0 if
         unknown). Sources at the rows' addresses with the rows' number qualified when the rows were
         written, so nothing else about them is read."""
         ptrs = tuple(map(_PTR, srcs))
-        if layout and ptrs == self.ptrs and layout == self.layout:
+        if layout and ptrs == self.ptrs and layout == self.layout_number:
             return True
         if not all(map(_CONTIGUOUS, srcs)):
             return False
         if ptrs == self.ptrs:
-            self.layout = layout
+            self.layout_number = layout
             return True
         device = self.device
         if not self.whole or any(p % 16 for p in ptrs) or any(s.device != device for s in srcs):
@@ -112,7 +112,7 @@ class GatherTable:
         if len(rows):
             rows[:, 0] += torch.tensor(ptrs, dtype=torch.int64)[self._index]
         self.table.copy_(rows)  # on the current stream: after any launch still reading the old rows
-        self.ptrs, self.layout = ptrs, layout
+        self.ptrs, self.layout_number = ptrs, layout
         return True
 
 

@@ -88,7 +88,7 @@ class ViewKey(NamedTuple):
 class BucketPlan:
     """What landing one bucket of a layout needs, computed once per layout."""
 
-    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views", "layout", "_graphs")
+    __slots__ = ("size", "indices", "metas", "names", "single", "segments", "views", "layout_version", "_graphs")
 
     def __init__(self, size: int, indices: list[int], metas: list[TensorMeta]) -> None:
         self.size, self.indices, self.metas = size, indices, metas
@@ -96,7 +96,7 @@ class BucketPlan:
         self.single = len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == size
         self.segments = fused.segments(metas, size)  # None: check finiteness tensor by tensor (fp8)
         self.views: dict[ViewKey, list[torch.Tensor]] = {}
-        self.layout = LayoutVersion()  # of the engine's destination tensors, which its graphs bake in
+        self.layout_version = LayoutVersion()  # of the engine's destination tensors, which its graphs bake in
         self._graphs: GraphCache | None = None
 
     def graphs(self, device: torch.device) -> GraphCache:
@@ -548,7 +548,7 @@ class Landing(abc.ABC):
                 row.data_ptr(),
                 cell.data_ptr() if cell is not None else 0,
                 self._finite,
-                b.layout.key(dsts),
+                b.layout_version.key(dsts),
             )
 
         self._run(b, key, work)

@@ -106,7 +106,7 @@ def test_bound_rows_are_kept_for_the_same_addresses_and_layout_and_refused_once_
     table = plan.gather_table(0, torch.device("cpu"))
     w, v = torch.randn(4, 4), torch.zeros(16, dtype=torch.int8)
     assert table.bind([w, v], plan.layout_number(0, [w, v]))
-    assert table.bind([w, v], plan.layout_number(0, [w, v])) and table.layout == plan.layout_number(0, [w, v])
+    assert table.bind([w, v], plan.layout_number(0, [w, v])) and table.layout_number == plan.layout_number(0, [w, v])
     w.data = w.data.t()  # in place: the rows' address, the plan's shape, not contiguous
     assert not table.bind([w, v], plan.layout_number(0, [w, v]))
     assert not table.bind([w, v])  # and without a number, read in full

@@ -105,7 +105,7 @@ class MechanismPath(EngineOverPipe):
             self._process.join(10)
             raise EngineError(
                 f"the mechanism's engine process exited (code {self._process.exitcode}) before it was ready; "
-                f"it allocates {2 * self.payload / 2**30:.1f} GiB on {device} (see its traceback above), "
+                f"it and this process hold {2 * self.payload / 2**30:.1f} GiB on {device} (see its traceback above), "
                 "so pass --no-floor where the device cannot hold that beside the trainer's tensors"
             ) from None
         if ready != b"ready":

@@ -281,6 +281,7 @@ def _mechanism_room(nbytes: int, device) -> str | None:
     mid-setup after every other row had been measured."""
     import torch
 
+    torch.cuda.empty_cache()  # what the rows before left in this process's cache is free for it
     free, _ = torch.cuda.mem_get_info(device)
     need = 2 * nbytes + (1 << 30)  # and a GiB for the engine's CUDA context and graphs
     if free >= need:
