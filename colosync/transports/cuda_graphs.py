@@ -99,10 +99,11 @@ class LayoutVersion:
     """A number for the shapes, strides, dtypes and devices of a list of tensors: the same while they keep them.
 
     Everything built over tensors -- a graph, a gather table, a checked plan -- is valid for as
-    long as their layout and addresses stay. Reading four attributes of each of 624 tensors in
-    Python costs 0.2-0.4 ms of a VM's CPU on every sync; ``of`` checks them against the last
-    tensors seen in one C++ pass (torch's ``TensorGuards``, the check behind ``torch.compile``'s
-    guards: ~0.05 ms for 624 here) and hands out a new number only when something changed. Numbers
+    long as their layout and addresses stay. Reading them tensor by tensor in Python cost every
+    seed-lora sync on an H100 host 171 us on the trainer (shape, dtype, contiguity) and 291 us on
+    the engine (its graph key) for 624 tensors. ``of`` checks them against the last tensors seen in
+    one C++ pass (torch's ``TensorGuards``, the check behind ``torch.compile``'s guards: 89 us there)
+    and hands out a new number only when something changed. Numbers
     are unique in the process, so two owners' never collide. Where ``TensorGuards`` is missing or
     fails its self-test, the layout is compared in Python, as before. A tensor that changes
     anything else the guard sees (``requires_grad``, its Python type, its dispatch keys under the
