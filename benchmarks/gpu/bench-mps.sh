@@ -2,7 +2,7 @@
 # The sync figures with and without CUDA MPS, in one device call (from the repository root):
 #   OUT=<dir> bash benchmarks/gpu/bench-mps.sh
 # seed-lora (every path, the reference paths, the copy floors) without MPS, twice under MPS, llama8b-full
-# (cuda_ipc, two 4 GiB slots) under MPS, then seed-lora without MPS again; each JSON in $OUT/NAME.json.
+# (cuda_ipc with two 4 GiB slots, and with the trainer's arena) under MPS, then seed-lora without MPS again; each JSON in $OUT/NAME.json.
 # benchmarks/seed-lora/mps.json and benchmarks/full-sync/record.json are two of these files.
 # The MPS daemon is a user process with private directories, stopped at the end; no GPU setting is changed.
 set -u
@@ -25,7 +25,7 @@ mps() {  # on | off
   mps on
   bench mps-seed-lora-1 --workload seed-lora --arena --repeats 20
   bench mps-seed-lora-2 --workload seed-lora --arena --repeats 20
-  bench mps-llama8b-full --workload llama8b-full --transports cuda_ipc --references none --no-floor \
+  bench mps-llama8b-full --workload llama8b-full --transports cuda_ipc --arena --references none --no-floor \
     --bucket-mb cuda_ipc=4096 --slots cuda_ipc=2 --repeats 5 --warmup 2
   mps off
   bench seed-lora-2 --workload seed-lora --arena --repeats 20
