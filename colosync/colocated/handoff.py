@@ -49,6 +49,8 @@ class PhaseStats:
     steps: list[str] = field(default_factory=list)  # the operations, in order
     op_seconds: dict[str, float] = field(default_factory=dict)  # each operation's seconds
     op_bytes: dict[str, int] = field(default_factory=dict)  # and the bytes it copied, both ways
+    op_device_allocated: dict[str, int] = field(default_factory=dict)  # device bytes it allocated
+    op_device_freed: dict[str, int] = field(default_factory=dict)  # and freed
     violations: list[str] = field(default_factory=list)
 
 
@@ -128,6 +130,8 @@ class Handoff:
             steps=[r.step for r in records],
             op_seconds=_per_op(records, lambda r: r.seconds),
             op_bytes=_per_op(records, lambda r: r.report.bytes_to_host + r.report.bytes_to_device),
+            op_device_allocated=_per_op(records, lambda r: r.report.device_allocated),
+            op_device_freed=_per_op(records, lambda r: r.report.device_freed),
             violations=[str(v) for v in result.violations[first_violation:]],
         )
         for violation in stats.violations:

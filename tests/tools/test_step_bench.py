@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from colosync.tools.bench import step as step_bench
 from colosync.tools.cli import main
 
 MiB = 1 << 20
@@ -26,9 +27,24 @@ def _bench(capsys, tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_every_step_syncs_the_whole_model_and_the_engine_serves_it(capsys, tmp_path):
+def test_every_step_syncs_the_whole_model_and_the_engine_serves_it(capsys, tmp_path, monkeypatch):
+    # The CPU has no CUDA allocator to time: the run is given its rates, and each operation's device
+    # bytes allocated and freed (as the real participants report them) must be charged at them.
+    rates = {"allocate": 2e-3, "free": 5e-4}
+    monkeypatch.setattr(step_bench, "allocator_rates", lambda device, nbytes, repeats=3: rates)
     args = ["--device", "cpu", "--weights", "6MB", "--kv", "2MB", "--tensor", "1MB", "--bucket", "1MB"]
     report = _bench(capsys, tmp_path, *args, "--optimizer-shards", "2")
+    assert report["allocator_s_per_gb"] == rates
+    kv_gb = report["kv_bytes"] / 1e9
+    for mode in report["modes"]:
+        row = mode["rows"][-1]
+        ops = row["op_allocator_s"]
+        assert ops["rollout_to_train/engine.offload_kv"] == pytest.approx(kv_gb * rates["free"], rel=0.01)
+        assert ops["train_to_rollout/engine.onload_kv"] == pytest.approx(kv_gb * rates["allocate"], rel=0.01)
+        assert ops["rollout_to_train/trainer.wake_up"] > 0 and ops["train_to_rollout/trainer.sleep"] > 0
+        assert row["allocator_floor_s"] == pytest.approx(sum(ops.values()))
+        summary = mode["summary"]
+        assert summary["median_floor_with_allocator_s"] > summary["median_floor_s"]
     assert [m["peak_device"] for m in report["modes"]] == ["gpu", "cpu"]
     for mode in report["modes"]:
         rows = mode["rows"]
@@ -52,3 +68,5 @@ def test_on_cuda_the_sync_adds_at_most_one_bucket_and_the_slots(capsys, tmp_path
         assert mode["summary"]["max_sync_device_extra_bytes"] <= bound + 32 * MiB, mode["summary"]
     gpu = report["modes"][0]
     assert gpu["summary"]["host_copies_peak_bytes"] <= 1.05 * gpu["larger_copy_bytes"] + 64 * MiB
+    assert report["allocator_s_per_gb"]["allocate"] > 0 and report["allocator_s_per_gb"]["free"] > 0
+    assert gpu["summary"]["median_floor_with_allocator_s"] > gpu["summary"]["median_floor_s"]

@@ -14,6 +14,15 @@ Reported per step and as medians: each phase's seconds against the pinned-copy f
 the bytes it moved (the copy rates measured here, in the same run), the host copies' peak
 against the plan and the larger copy, the device peak, the device memory the sync added,
 and every broken invariant.
+
+The copy floor leaves out the operations that copy nothing: dropping the KV cache and
+allocating it again, the trainer's ``clear_memory``. They cost what the CUDA allocator's calls
+cost, so the same run measures those too (``allocator_rates``: a block the size of the KV cache
+allocated and freed, before any participant starts). Each operation's device bytes allocated and
+freed at those rates is its allocator floor. The copy floor plus the allocator floor is the floor a
+step could reach with these copies and these allocations, and it is reported beside the copy floor.
+What neither covers is work that the driver defers: after a large free, host-to-device copies
+into new memory run slower for a while (``benchmarks/colocated-step``).
 """
 
 from __future__ import annotations
@@ -66,10 +75,12 @@ class StepRow:
     device_peak_bytes: int
     handoff_floor_s: float  # both handoffs' bytes at the measured pinned rates
     sync_floor_s: float  # the sync's bytes device -> host staging -> device
+    allocator_floor_s: float  # both handoffs' device bytes allocated and freed, at the measured allocator rates
     update_id: int
     violations: list[str] = field(default_factory=list)
     op_seconds: dict[str, float] = field(default_factory=dict)  # "phase/op": seconds, both handoffs
     op_bytes: dict[str, int] = field(default_factory=dict)  # "phase/op": bytes copied (the sync's: 0)
+    op_allocator_s: dict[str, float] = field(default_factory=dict)  # "phase/op": its allocator floor
 
 
 @dataclass
@@ -92,6 +103,7 @@ class StepBenchReport:
     trainer_resident_bytes: int
     trainer_backup_bytes: int
     copy_gbps: dict[str, float]  # pinned host <-> device, measured before the run
+    allocator_s_per_gb: dict[str, float] = field(default_factory=dict)  # "allocate"/"free", before the run
     modes: list[ModeReport] = field(default_factory=list)
     error: str = ""  # what stopped the run early (a parity failure, a refused step), if anything
 
@@ -105,6 +117,35 @@ def pinned_rates(device: Any, nbytes: int = 1 << 30) -> dict[str, float]:
         return {"to_device": 0.0, "to_host": 0.0}
     rates = pinned_copy_rate(device, nbytes)
     return {"to_device": rates["h2d_gbps"], "to_host": rates["d2h_gbps"]}
+
+
+def allocator_rates(device: Any, nbytes: int, repeats: int = 3) -> dict[str, float]:
+    """Median seconds per GB to allocate a fresh ``nbytes`` block on ``device`` through torch's
+    allocator (``cudaMalloc``) and to give it back (``empty_cache``: ``cudaFree``), in this process.
+    Zeros off CUDA, where there is no allocator to measure."""
+    import torch
+
+    if device.type != "cuda" or nbytes <= 0:
+        return {"allocate": 0.0, "free": 0.0}
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    allocate, free = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        allocate.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        del block
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        free.append(time.perf_counter() - started)
+    gb = nbytes / 1e9
+    return {"allocate": statistics.median(allocate) / gb, "free": statistics.median(free) / gb}
+
+
+def _allocator_floor(allocated: int, freed: int, rates: dict[str, float]) -> float:
+    return allocated / 1e9 * rates.get("allocate", 0.0) + freed / 1e9 * rates.get("free", 0.0)
 
 
 def _floor(to_host: int, to_device: int, rates: dict[str, float]) -> float:
@@ -132,10 +173,12 @@ def run_step_bench(
         kv = _fill_kv(options, device)
     folder = Path(tempfile.mkdtemp(prefix="colosync-bench-step-"))
     SyntheticModel(options.weight_bytes, kv, options.tensor_bytes, seed=options.seed).save(folder)
-    report = StepBenchReport(run_header(argv, device=device), options.weight_bytes, kv, 0, 0, rates)
+    allocator = allocator_rates(device, kv)  # the largest block a step allocates, while the device is empty
+    report = StepBenchReport(run_header(argv, device=device), options.weight_bytes, kv, 0, 0, rates, allocator)
     console.print(
         f"[bold]bench-step[/] weights {options.weight_bytes / 1e9:.1f} GB, KV {kv / 1e9:.1f} GB, "
-        f"pinned copies {rates['to_device']:.1f} GB/s to the device, {rates['to_host']:.1f} GB/s to the host"
+        f"pinned copies {rates['to_device']:.1f} GB/s to the device, {rates['to_host']:.1f} GB/s to the host, "
+        f"allocator {allocator['allocate'] * 1e3:.2f} ms/GB to allocate, {allocator['free'] * 1e3:.2f} ms/GB to free"
     )
     try:
         for mode in options.modes:
@@ -226,7 +269,7 @@ def _run_mode(
         )
         report.modes.append(out)
         for step in range(options.steps):
-            out.rows.append(_step(step, cluster, colo, rates, Digest))
+            out.rows.append(_step(step, cluster, colo, rates, report.allocator_s_per_gb, Digest))
             out.summary, out.op_medians_s = _summary(out), _op_medians(out)
             _print_row(out.rows[-1], console, header=step == 0)
             if progress is not None:
@@ -239,7 +282,9 @@ def _run_mode(
             cluster.close()
 
 
-def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_request: Any) -> StepRow:
+def _step(
+    step: int, cluster: Any, colo: Any, rates: dict[str, float], allocator: dict[str, float], digest_request: Any
+) -> StepRow:
     """One ``Colocated.step``: the engine serves (reads every weight), the trainer steps, the
     full sync; then the engine's fingerprints must be the trainer's, from the synced version."""
 
@@ -261,6 +306,11 @@ def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_re
     record = colo.step(lambda: cluster.driver.call(digest_request()), train, check=check)
     r2t, t2r, sync = record.rollout_to_train, record.train_to_rollout, record.sync
     handoff_floor = _floor(r2t.bytes_to_host + t2r.bytes_to_host, r2t.bytes_to_device + t2r.bytes_to_device, rates)
+    op_allocator = {
+        f"{p.phase}/{op}": _allocator_floor(allocated, p.op_device_freed.get(op, 0), allocator)
+        for p in (r2t, t2r)
+        for op, allocated in p.op_device_allocated.items()
+    }
     return StepRow(
         step=step,
         serve_s=record.rollout_s,
@@ -275,10 +325,12 @@ def _step(step: int, cluster: Any, colo: Any, rates: dict[str, float], digest_re
         device_peak_bytes=max(r2t.device_peak_bytes, t2r.device_peak_bytes),
         handoff_floor_s=handoff_floor,
         sync_floor_s=_floor(sync.bytes, sync.bytes, rates),
+        allocator_floor_s=sum(op_allocator.values()),
         update_id=sync.update_id,
         violations=record.violations,
         op_seconds={f"{p.phase}/{op}": sec for p in (r2t, t2r) for op, sec in p.op_seconds.items()},
         op_bytes={f"{p.phase}/{op}": n for p in (r2t, t2r) for op, n in p.op_bytes.items()},
+        op_allocator_s=op_allocator,
     )
 
 
@@ -290,6 +342,7 @@ def _summary(mode: ModeReport) -> dict[str, float]:
 
     handoff_sync = med(lambda r: r.rollout_to_train_s + r.train_to_rollout_s)
     floor = med(lambda r: r.handoff_floor_s + r.sync_floor_s)
+    with_allocator = med(lambda r: r.handoff_floor_s + r.sync_floor_s + r.allocator_floor_s)
     host_peak = max((r.host_copies_peak_bytes for r in mode.rows), default=0)
     return {
         "steps": len(mode.rows),
@@ -301,6 +354,8 @@ def _summary(mode: ModeReport) -> dict[str, float]:
         "median_handoff_plus_sync_s": handoff_sync,
         "median_floor_s": floor,
         "handoff_plus_sync_over_floor": handoff_sync / floor if floor else 0.0,
+        "median_floor_with_allocator_s": with_allocator,
+        "handoff_plus_sync_over_floor_with_allocator": handoff_sync / with_allocator if with_allocator else 0.0,
         "host_copies_peak_bytes": host_peak,
         "host_peak_over_larger_copy": host_peak / mode.larger_copy_bytes if mode.larger_copy_bytes else 0.0,
         "max_sync_device_extra_bytes": max((r.sync_device_extra_bytes for r in mode.rows), default=0),
@@ -342,6 +397,7 @@ def print_summary(report: StepBenchReport, console: Any) -> None:
         "t->r s",
         "sync s",
         "handoff+sync / floor",
+        "floor + allocator",
         "host peak / larger copy",
         "sync +device MB (bucket+slots)",
         "invariants broken",
@@ -357,20 +413,31 @@ def print_summary(report: StepBenchReport, console: Any) -> None:
             f"{s['median_sync_s']:.2f}",
             f"{s['median_handoff_plus_sync_s']:.2f} / {s['median_floor_s']:.2f} = "
             f"{s['handoff_plus_sync_over_floor']:.2f}x",
+            f"{s['median_floor_with_allocator_s']:.2f} = {s['handoff_plus_sync_over_floor_with_allocator']:.2f}x",
             f"{s['host_copies_peak_bytes'] / 1e9:.2f} / {m.larger_copy_bytes / 1e9:.2f} GB",
             f"{s['max_sync_device_extra_bytes'] / 1e6:.0f} ({m.bucket_and_slots_bytes / 1e6:.0f})",
             str(int(s["violations"])),
         )
     console.print(table)
-    ops = Table(title="where the handoffs' time goes: median seconds per operation (GB: the last step's)")
-    for col in ("mode", "phase/operation", "s", "GB copied", "GB/s"):
+    ops = Table(
+        title="where the handoffs' time goes: median seconds per operation (GB and allocator floor: the last step's)"
+    )
+    for col in ("mode", "phase/operation", "s", "GB copied", "GB/s", "allocator floor s"):
         ops.add_column(col)
     for m in report.modes:
-        last = m.rows[-1].op_bytes if m.rows else {}
+        last = m.rows[-1] if m.rows else None
         for op, sec in m.op_medians_s.items():
-            nbytes = last.get(op, 0)
+            nbytes = last.op_bytes.get(op, 0) if last else 0
+            alloc = last.op_allocator_s.get(op, 0.0) if last else 0.0
             rate = f"{nbytes / sec / 1e9:.1f}" if sec and nbytes else ""
-            ops.add_row(m.peak_device, op, f"{sec:.3f}", f"{nbytes / 1e9:.1f}" if nbytes else "", rate)
+            ops.add_row(
+                m.peak_device,
+                op,
+                f"{sec:.3f}",
+                f"{nbytes / 1e9:.1f}" if nbytes else "",
+                rate,
+                f"{alloc:.3f}" if alloc else "",
+            )
     console.print(ops)
 
 
