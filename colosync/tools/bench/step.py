@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from colosync.errors import ColosyncError, ParityError
+from colosync.tools.bench.floors import allocator_floor, allocator_rates, copy_floor, pinned_rates
 
 TRAINER = "colosync.colocated.synthetic:SyntheticTrainer"
 MARGIN = 8 << 30  # device memory left free at the rollout peak for CUDA contexts and temporaries
@@ -106,52 +107,6 @@ class StepBenchReport:
     allocator_s_per_gb: dict[str, float] = field(default_factory=dict)  # "allocate"/"free", before the run
     modes: list[ModeReport] = field(default_factory=list)
     error: str = ""  # what stopped the run early (a parity failure, a refused step), if anything
-
-
-def pinned_rates(device: Any, nbytes: int = 1 << 30) -> dict[str, float]:
-    """Median GB/s of one reusable pinned host buffer copied to the device and back (the
-    floor's rates; ``colosync handoff-bench``'s reference copy)."""
-    from colosync.tools.bench.handoff import pinned_copy_rate
-
-    if device.type != "cuda":
-        return {"to_device": 0.0, "to_host": 0.0}
-    rates = pinned_copy_rate(device, nbytes)
-    return {"to_device": rates["h2d_gbps"], "to_host": rates["d2h_gbps"]}
-
-
-def allocator_rates(device: Any, nbytes: int, repeats: int = 3) -> dict[str, float]:
-    """Median seconds per GB to allocate a fresh ``nbytes`` block on ``device`` through torch's
-    allocator (``cudaMalloc``) and to give it back (``empty_cache``: ``cudaFree``), in this process.
-    Zeros off CUDA, where there is no allocator to measure."""
-    import torch
-
-    if device.type != "cuda" or nbytes <= 0:
-        return {"allocate": 0.0, "free": 0.0}
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    allocate, free = [], []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        allocate.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        del block
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize(device)
-        free.append(time.perf_counter() - started)
-    gb = nbytes / 1e9
-    return {"allocate": statistics.median(allocate) / gb, "free": statistics.median(free) / gb}
-
-
-def _allocator_floor(allocated: int, freed: int, rates: dict[str, float]) -> float:
-    return allocated / 1e9 * rates.get("allocate", 0.0) + freed / 1e9 * rates.get("free", 0.0)
-
-
-def _floor(to_host: int, to_device: int, rates: dict[str, float]) -> float:
-    if not rates["to_host"] or not rates["to_device"]:
-        return 0.0
-    return to_host / rates["to_host"] / 1e9 + to_device / rates["to_device"] / 1e9
 
 
 def run_step_bench(
@@ -305,9 +260,9 @@ def _step(
     # the rollout stand-in: the engine reads every weight it serves
     record = colo.step(lambda: cluster.driver.call(digest_request()), train, check=check)
     r2t, t2r, sync = record.rollout_to_train, record.train_to_rollout, record.sync
-    handoff_floor = _floor(r2t.bytes_to_host + t2r.bytes_to_host, r2t.bytes_to_device + t2r.bytes_to_device, rates)
+    handoff_floor = copy_floor(r2t.bytes_to_host + t2r.bytes_to_host, r2t.bytes_to_device + t2r.bytes_to_device, rates)
     op_allocator = {
-        f"{p.phase}/{op}": _allocator_floor(allocated, p.op_device_freed.get(op, 0), allocator)
+        f"{p.phase}/{op}": allocator_floor(allocated, p.op_device_freed.get(op, 0), allocator)
         for p in (r2t, t2r)
         for op, allocated in p.op_device_allocated.items()
     }
@@ -324,7 +279,7 @@ def _step(
         plan_host_copies_bytes=max(r2t.plan_host_copies_bytes, t2r.plan_host_copies_bytes),
         device_peak_bytes=max(r2t.device_peak_bytes, t2r.device_peak_bytes),
         handoff_floor_s=handoff_floor,
-        sync_floor_s=_floor(sync.bytes, sync.bytes, rates),
+        sync_floor_s=copy_floor(sync.bytes, sync.bytes, rates),
         allocator_floor_s=sum(op_allocator.values()),
         update_id=sync.update_id,
         violations=record.violations,
