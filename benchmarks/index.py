@@ -109,7 +109,7 @@ def colocated_step_alone(record: Record) -> tuple[str, str, str]:
     floor = f"pinned copies {s['median_floor_s']:.2f} s"
     if "median_floor_with_allocator_s" in s:  # runs that also timed the allocator
         floor += (
-            f"; with the allocator's calls {s['median_floor_with_allocator_s']:.2f} s "
+            f"; with the allocator's calls (an estimate) {s['median_floor_with_allocator_s']:.2f} s "
             f"({s['handoff_plus_sync_over_floor_with_allocator']:.2f}×)"
         )
     return head, "–", floor

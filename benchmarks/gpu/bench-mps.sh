@@ -3,7 +3,7 @@
 #   OUT=<dir> bash benchmarks/gpu/bench-mps.sh
 # seed-lora (every path, the reference paths, the copy floors) without MPS, twice under MPS, llama8b-full
 # (cuda_ipc with two 4 GiB slots, and with the trainer's arena) under MPS, then seed-lora without MPS again; each JSON in $OUT/NAME.json.
-# benchmarks/seed-lora/mps.json and benchmarks/full-sync/record.json are two of these files.
+# benchmarks/seed-lora/mps.json and benchmarks/full-sync/h100-mps-arena.json are two of these files.
 # The MPS daemon is a user process with private directories, stopped at the end; no GPU setting is changed.
 set -u
 OUT=${OUT:?}

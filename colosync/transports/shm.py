@@ -11,9 +11,9 @@ bounce buffer.
 For buckets on a GPU the segment is cut into more, smaller slots (``CHUNK_BYTES`` each, the
 same total of ``slots`` buckets): the sender's device->host copy of one chunk then overlaps
 the engine's host->device copy of the previous one, which PCIe (full duplex) runs at once.
-16 MiB measured fastest on seed-lora (2 to 64 MiB swept): below it the trainer's CPU work per
-chunk, ~90 us, sets the pace; above it, the last chunk's copy in, which overlaps nothing, grows
-(``benchmarks/seed-lora``).
+16 MiB measured fastest on seed-lora (2 to 64 MiB swept on one H100): smaller chunks cost more in
+per-chunk work (the trainer's CPU alone spends ~90 us on each) than their shorter last copy in saves;
+larger ones wait longer for it, since nothing overlaps it (``benchmarks/seed-lora``).
 
 Seals: behind each chunk's device->host copy the sender's stream writes the bucket's
 fingerprint and a number, the seal, into a pair of words after the slots, and the Stage

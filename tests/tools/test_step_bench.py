@@ -27,7 +27,7 @@ def _bench(capsys, tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_every_step_syncs_the_whole_model_and_the_engine_serves_it(capsys, tmp_path, monkeypatch):
+def test_every_step_syncs_the_whole_model_and_charges_each_operation_its_allocations(capsys, tmp_path, monkeypatch):
     # The CPU has no CUDA allocator to time: the run is given its rates, and each operation's device
     # bytes allocated and freed (as the real participants report them) must be charged at them.
     rates = {"allocate": 2e-3, "free": 5e-4}
@@ -42,6 +42,10 @@ def test_every_step_syncs_the_whole_model_and_the_engine_serves_it(capsys, tmp_p
         assert ops["rollout_to_train/engine.offload_kv"] == pytest.approx(kv_gb * rates["free"], rel=0.01)
         assert ops["train_to_rollout/engine.onload_kv"] == pytest.approx(kv_gb * rates["allocate"], rel=0.01)
         assert ops["rollout_to_train/trainer.wake_up"] > 0 and ops["train_to_rollout/trainer.sleep"] > 0
+        if mode["peak_device"] == "gpu":  # the grad buffer went before the sleep: the sleep frees the state, once
+            assert ops["train_to_rollout/trainer.sleep"] == pytest.approx(
+                report["trainer_backup_bytes"] / 1e9 * rates["free"], rel=0.01
+            )
         assert row["allocator_floor_s"] == pytest.approx(sum(ops.values()))
         summary = mode["summary"]
         assert summary["median_floor_with_allocator_s"] > summary["median_floor_s"]

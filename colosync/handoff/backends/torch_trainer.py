@@ -207,9 +207,9 @@ class TorchTrainerMemory(TrainerMemory):
             self._last_grad_bytes = storage_bytes(self.grad_tensors())
             stats += grads.offload(list(self.grad_tensors()), backup=False)
         stats += state.offload(list(self.state_tensors()), backup=True, on_peak=self._peak)
-        freed_cache = self._empty_cache()
+        besides = self._empty_cache_besides(stats)
         self._cache_held = False
-        return self._report_moves("sleep", started, stats, device_freed=freed_cache)
+        return self._report_moves("sleep", started, stats, device_freed=besides)
 
     def wake_up(self) -> OpReport:
         stashes = self._stashes()
@@ -239,8 +239,8 @@ class TorchTrainerMemory(TrainerMemory):
         stats = grads.offload(list(self.grad_tensors()), backup=False)
         if stats.noop:
             return self._noop("offload_grad_buffer", "no gradients allocated")
-        freed_cache = self._empty_cache()
-        return self._report_moves("offload_grad_buffer", started, stats, device_freed=freed_cache)
+        besides = self._empty_cache_besides(stats)
+        return self._report_moves("offload_grad_buffer", started, stats, device_freed=besides)
 
     def clear_memory(self) -> OpReport:
         if not self.loaded or not self._cache_held:
@@ -252,6 +252,13 @@ class TorchTrainerMemory(TrainerMemory):
         return self._report("clear_memory", started, device_freed=freed)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _empty_cache_besides(self, stats: StashStats) -> int:
+        """Bytes ``empty_cache`` gives back besides the storage ``stats`` already counts as freed.
+
+        The storage a stash frees goes to torch's cache first, so what the cache then returns to the
+        driver includes it: counted once, the report's ``device_freed`` is what left the device."""
+        return max(0, self._empty_cache() - stats.device_freed)
+
     def _empty_cache(self) -> int:
         if self.device.type != "cuda":
             return 0

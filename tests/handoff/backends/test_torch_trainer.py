@@ -48,6 +48,19 @@ def test_trainer_sleep_wake_keeps_objects_and_values():
     assert not all(torch.equal(p, s) for p, s in zip(params, snapshot, strict=True))
 
 
+def test_a_sleep_counts_what_the_cache_gives_back_once(monkeypatch):
+    # A CPU "device" has no CUDA cache: this stands in for empty_cache returning the freed storage
+    # (which the stashes already counted) plus 3 MiB of other cached blocks.
+    model, opt = make_trainer_state(layers=2)
+    trainer = TorchTrainerMemory(model, opt, pool=cpu_host_pool(), device="cpu")
+    grads = trainer.offload_grad_buffer()
+    assert grads.device_freed == 2 * 4 * MiB
+    freed = 2 * 3 * 4 * MiB  # params + exp_avg + exp_avg_sq of two layers
+    monkeypatch.setattr(trainer, "_empty_cache", lambda: freed + 3 * MiB)
+    report = trainer.sleep()
+    assert about(report.device_freed, freed + 3 * MiB)  # not the stash's bytes twice
+
+
 def test_trainer_backup_grads_option():
     model, opt = make_trainer_state(layers=2)
     grads = [p.grad.clone() for p in model.parameters()]
