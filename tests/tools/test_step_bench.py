@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from colosync.tools.bench import step as step_bench
+from colosync.tools.bench.floors import AllocatorTimes
 from colosync.tools.cli import main
 
 MiB = 1 << 20
@@ -30,11 +31,13 @@ def _bench(capsys, tmp_path, *args: str) -> dict:
 def test_every_step_syncs_the_whole_model_and_charges_each_operation_its_allocations(capsys, tmp_path, monkeypatch):
     # The CPU has no CUDA allocator to time: the run is given its rates, and each operation's device
     # bytes allocated and freed (as the real participants report them) must be charged at them.
+    times = AllocatorTimes(10**9, [3e-3, 2e-3, 1e-3], [5e-4, 4e-4, 6e-4])  # one GB: seconds are s/GB
     rates = {"allocate": 2e-3, "free": 5e-4}
-    monkeypatch.setattr(step_bench, "allocator_rates", lambda device, nbytes, repeats=3: rates)
+    monkeypatch.setattr(step_bench, "allocator_times", lambda device, nbytes, repeats=3: times)
     args = ["--device", "cpu", "--weights", "6MB", "--kv", "2MB", "--tensor", "1MB", "--bucket", "1MB"]
     report = _bench(capsys, tmp_path, *args, "--optimizer-shards", "2")
-    assert report["allocator_s_per_gb"] == rates
+    assert report["allocator_s_per_gb"] == pytest.approx(rates)  # the medians
+    assert report["allocator_times"]["allocate_s"] == times.allocate_s  # every timed call is kept
     kv_gb = report["kv_bytes"] / 1e9
     for mode in report["modes"]:
         row = mode["rows"][-1]
@@ -73,4 +76,5 @@ def test_on_cuda_the_sync_adds_at_most_one_bucket_and_the_slots(capsys, tmp_path
     gpu = report["modes"][0]
     assert gpu["summary"]["host_copies_peak_bytes"] <= 1.05 * gpu["larger_copy_bytes"] + 64 * MiB
     assert report["allocator_s_per_gb"]["allocate"] > 0 and report["allocator_s_per_gb"]["free"] > 0
+    assert len(report["allocator_times"]["allocate_s"]) == len(report["allocator_times"]["free_s"]) == 3
     assert gpu["summary"]["median_floor_with_allocator_s"] > gpu["summary"]["median_floor_s"]

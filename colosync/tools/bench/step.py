@@ -17,7 +17,7 @@ and every broken invariant.
 
 The copy floor leaves out the operations that copy nothing: dropping the KV cache and
 allocating it again, the trainer's ``clear_memory``. They cost what the CUDA allocator's calls
-cost, so the same run measures those too (``allocator_rates``: a block the size of the KV cache
+cost, so the same run measures those too (``allocator_times``: a block the size of the KV cache
 allocated and freed, before any participant starts). Each operation's device bytes allocated and
 freed at those rates is its allocator floor, and the copy floor plus it is reported beside the
 copy floor. It is an estimate from one block timed alone, not a bound: the driver defers work after
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from colosync.errors import ColosyncError, ParityError
-from colosync.tools.bench.floors import allocator_floor, allocator_rates, copy_floor, pinned_rates
+from colosync.tools.bench.floors import AllocatorTimes, allocator_floor, allocator_times, copy_floor, pinned_rates
 
 TRAINER = "colosync.colocated.synthetic:SyntheticTrainer"
 MARGIN = 8 << 30  # device memory left free at the rollout peak for CUDA contexts and temporaries
@@ -105,6 +105,7 @@ class StepBenchReport:
     trainer_backup_bytes: int
     copy_gbps: dict[str, float]  # pinned host <-> device, measured before the run
     allocator_s_per_gb: dict[str, float] = field(default_factory=dict)  # "allocate"/"free", before the run
+    allocator_times: AllocatorTimes = field(default_factory=AllocatorTimes)  # each timed call behind those rates
     modes: list[ModeReport] = field(default_factory=list)
     error: str = ""  # what stopped the run early (a parity failure, a refused step), if anything
 
@@ -128,8 +129,11 @@ def run_step_bench(
         kv = _fill_kv(options, device)
     folder = Path(tempfile.mkdtemp(prefix="colosync-bench-step-"))
     SyntheticModel(options.weight_bytes, kv, options.tensor_bytes, seed=options.seed).save(folder)
-    s_per_gb = allocator_rates(device, kv)  # the largest block a step allocates, while the device is empty
-    report = StepBenchReport(run_header(argv, device=device), options.weight_bytes, kv, 0, 0, rates, s_per_gb)
+    allocator = allocator_times(device, kv)  # the largest block a step allocates, while the device is empty
+    s_per_gb = allocator.s_per_gb()
+    report = StepBenchReport(
+        run_header(argv, device=device), options.weight_bytes, kv, 0, 0, rates, s_per_gb, allocator
+    )
     console.print(
         f"[bold]bench-step[/] weights {options.weight_bytes / 1e9:.1f} GB, KV {kv / 1e9:.1f} GB, "
         f"pinned copies {rates['to_device']:.1f} GB/s to the device, {rates['to_host']:.1f} GB/s to the host, "
