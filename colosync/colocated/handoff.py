@@ -58,7 +58,9 @@ class Handoff:
     """The handoff of ``cluster``'s trainer and engine in ``peak_device`` order (``cpu``: both
     host copies may coexist; ``gpu``: one at a time); ``push()`` is the sync the plan's
     ``sync.weights`` step runs (see module docstring); what it raises stops the phase there,
-    so a caller that wants the phase finished after a failed push keeps the error and returns."""
+    so a caller that wants the phase finished after a failed push keeps the error and returns.
+    ``lend_kv``: after init the trainer wakes up in the engine's KV cache block
+    (``HandoffConfig.lend_kv``)."""
 
     def __init__(
         self,
@@ -68,8 +70,9 @@ class Handoff:
         pin: Any = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         host_scope: str = "processes",
+        lend_kv: bool = False,
     ) -> None:
-        self.plan = build_plan(peak_device=peak_device, sync=True)
+        self.plan = build_plan(peak_device=peak_device, sync=True, lend_kv=lend_kv)
         engine_sizes = cluster.engine_memory(pin="none").region_bytes()  # a private pool, to read its sizes
         planned = msgspec.convert(cluster.trainer.call("planned_sizes"), TrainerPlan, from_attributes=True)
         lora = planned.sync_bytes if planned.sync_kind == "lora" else 0  # the adapter the first sync installs
@@ -86,6 +89,8 @@ class Handoff:
             # colosync's engines stage a full update in host memory (the arena) and install it at commit
             sync_staging="host" if planned.sync_kind == "full" else "device",
         )
+        if lend_kv:
+            self.sizes.check_loan()  # before anything is mapped or moved
         self.arena = HostArena.for_plan(self.plan, self.sizes.region_bytes(), pin=pin)  # pinned once per job
         try:
             engine = cluster.engine_memory(arena=self.arena, pin=pin)

@@ -71,7 +71,8 @@ class Colocated:
     """``cluster``'s trainer and engine, stepped together (see module docstring).
 
     ``peak_device``: the handoff's order (``cpu`` or ``gpu``), or ``None`` for no handoff;
-    ``verify_every``: which pushes carry the step's probe (``VerifiedSync``). Call ``init()``
+    ``verify_every``: which pushes carry the step's probe (``VerifiedSync``); ``lend_kv``: the
+    trainer wakes up in the engine's KV cache block (``HandoffConfig.lend_kv``). Call ``init()``
     once (the plan's init phase: the trainer loaded and asleep, the engine back), then
     ``step(...)`` per step, then ``close()`` (the arena; the cluster is the caller's).
     ``broken`` says why later steps are refused (``None`` while the step can run)."""
@@ -85,6 +86,7 @@ class Colocated:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         host_scope: str = "processes",
         verify_every: int = 1,
+        lend_kv: bool = False,
     ) -> None:
         if peak_device is not None and peak_device not in PEAK_DEVICES:
             raise ConfigError(
@@ -99,7 +101,13 @@ class Colocated:
         self.handoff: Handoff | None = None
         if peak_device is not None:
             self.handoff = Handoff(
-                cluster, peak_device, self._push_pending, pin=pin, bucket_bytes=bucket_bytes, host_scope=host_scope
+                cluster,
+                peak_device,
+                self._push_pending,
+                pin=pin,
+                bucket_bytes=bucket_bytes,
+                host_scope=host_scope,
+                lend_kv=lend_kv,
             )
 
     def _remote_push(self, probe: Probe | None) -> SyncReport:

@@ -288,7 +288,7 @@ def device_uuid(index: int) -> str:
     return f"pci:{getattr(props, 'pci_domain_id', None)}:{bus}:{getattr(props, 'pci_device_id', None)}"
 
 
-def _index_of(uuid: str) -> int:
+def index_of(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if device_uuid(index) == uuid:
             return index
@@ -411,7 +411,7 @@ class CudaIpcReceiver(ReceiverTransport):
     def __init__(self, handle: CudaIpcHandle) -> None:
         if not torch.cuda.is_available():
             raise TransportError("the engine process has no CUDA, so it cannot open a CUDA IPC handle; use shm")
-        index = _index_of(handle.device_uuid)
+        index = index_of(handle.device_uuid)
         nbytes = handle.nbytes
         memory = None
         if handle.pid == os.getpid():  # same process: CUDA cannot open its own handle, nor needs to

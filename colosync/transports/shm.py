@@ -81,7 +81,7 @@ def _unlink(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)
 
 
-class _Mapping:
+class Segment:
     """A mapped segment, optionally registered with CUDA as pinned host memory.
 
     Its descriptor stays open: the creator holds an exclusive ``flock`` on it for its life, and
@@ -163,6 +163,12 @@ class _Mapping:
             raise TransportError("the shared memory segment is closed")
         return self.tensor[start : start + nbytes]
 
+    def span(self, start: int, nbytes: int) -> torch.Tensor:
+        """Like ``view``, but the tensor's storage is exactly these bytes (not the whole segment)."""
+        if self._mmap is None:
+            raise TransportError("the shared memory segment is closed")
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes, offset=start)
+
     def close(self) -> None:
         if self._mmap is None:
             return
@@ -178,7 +184,7 @@ class _Mapping:
         self._mmap = None
 
 
-_CREATED: weakref.WeakSet[_Mapping] = weakref.WeakSet()  # this process's own segments, whose lock it holds
+_CREATED: weakref.WeakSet[Segment] = weakref.WeakSet()  # this process's own segments, whose lock it holds
 
 
 def _forget_locks_in_child() -> None:
@@ -241,7 +247,7 @@ class ShmSender(SenderTransport):
         self._linked = True
         resource_tracker.register("/" + self._name, "shared_memory")
         try:
-            self._map = _Mapping(self._name, self._handle.nbytes, create=True, pin=_want_pin(device))
+            self._map = Segment(self._name, self._handle.nbytes, create=True, pin=_want_pin(device))
         except BaseException:
             self._drop_name()
             raise
@@ -304,7 +310,7 @@ class ShmReceiver(ReceiverTransport):
         if not handle.name.startswith(PREFIX):
             raise TransportError(f"refusing to map {handle.name!r}: not a colosync segment")
         self._handle = handle
-        self._map = _Mapping(handle.name, handle.nbytes, create=False, pin=device.type == "cuda")
+        self._map = Segment(handle.name, handle.nbytes, create=False, pin=device.type == "cuda")
         # The sender unlinks the name once every receiver (e.g. each vLLM TP worker) has acknowledged.
         self._seals = self._map.pairs(handle)
         self._words: memoryview | None = self._map.words(handle.seals_offset, 2 * handle.slots)  # a poll: ~50 ns

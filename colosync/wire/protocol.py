@@ -357,3 +357,32 @@ class MemoryOpDone(msgspec.Struct, tag="memory_op_done", frozen=True):
     note: Annotated[str, msgspec.Meta(max_length=1 << 16)]
     state: MemoryState
     peaks: Annotated[list[MemorySample], msgspec.Meta(max_length=1024)] = []
+
+
+class LoanHandle(msgspec.Struct, frozen=True):
+    """Device memory one participant lends another (``handoff.backends.loan``): on CUDA an IPC
+    handle of one ``cudaMalloc`` block, on the CPU the name of a POSIX shared-memory segment."""
+
+    kind: Text
+    """``cuda_ipc`` or ``shm``."""
+    nbytes: Count
+    pid: Pid
+    """The lender: a borrower in the same process uses the memory directly."""
+    handle: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    device_uuid: Text = ""
+    name: Text = ""
+
+
+class MemoryLend(msgspec.Struct, tag="memory_lend", frozen=True):
+    """Ask an engine participant to put its KV cache in memory it can lend, and for its handle."""
+
+
+class MemoryLent(msgspec.Struct, tag="memory_lent", frozen=True):
+    handle: LoanHandle
+    state: MemoryState
+
+
+class MemoryBorrow(msgspec.Struct, tag="memory_borrow", frozen=True):
+    """Give a trainer participant the engine's lent memory to wake up into."""
+
+    handle: LoanHandle

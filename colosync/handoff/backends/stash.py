@@ -14,6 +14,10 @@ it. On restore all regions are laid out back to back in **one** device allocatio
 host copy uses the same layout, so from the second cycle on a sleep or wake is a handful of
 chunk-sized DMA copies regardless of how many tensors there are. Regions can be offloaded
 without a backup (gradients, KV cache): they come back zeroed.
+
+A restore can also land in memory the stash does not own (``restore(into=...)``: a view of
+another process's ``DeviceLoan``), which the next offload then leaves allocated, since
+neither allocating nor freeing it is the stash's to do.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class TensorStash:
         # Layout of the flat buffer made by the last restore (to find regions at next offload).
         self._flat_ptr: int | None = None
         self._flat_nbytes = 0
+        self._flat_lent = False  # the flat buffer is a view of memory the stash does not own
         self._layout_starts: list[int] = []
         self._layout_sizes: list[int] = []
 
@@ -170,6 +175,8 @@ class TensorStash:
             unique.setdefault(st.data_ptr(), st)
         storages.clear()
         for st in unique.values():
+            if self._flat_lent and st.data_ptr() == self._flat_ptr:
+                continue  # lent memory stays with its lender: neither freed nor retained by us
             # one reference is ``st`` itself (the dict holds the same object)
             if torch._C._storage_Use_Count(st._cdata) > 1:
                 retained += st.nbytes()
@@ -286,14 +293,24 @@ class TensorStash:
         return [(c[0], c[1], c[2]) for c in out]
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, *, zero: bool = True, on_peak: Callable[[], None] | None = None) -> StashStats:
-        """Allocate one device buffer, fill it from the host copy (or zeros), re-point every tensor."""
+    def restore(
+        self,
+        *,
+        zero: bool = True,
+        on_peak: Callable[[], None] | None = None,
+        into: torch.Tensor | None = None,
+    ) -> StashStats:
+        """Allocate one device buffer (or take ``into``: a ``uint8`` tensor whose storage is exactly
+        ``offloaded_bytes`` long), fill it from the host copy (or zeros), re-point every tensor."""
         started = time.perf_counter()
         if self._regions is None:
             return StashStats(noop=True, note=f"{self.owner}: already resident")
         regions, total, lease = self._regions, self._total, self._lease
-        self.inflight_bytes = total
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if into is None:
+            self.inflight_bytes = total
+            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        else:
+            flat = _checked_home(self.owner, into, total, self.device)
         if lease is not None:
             lease.read(0, flat)
         elif zero:
@@ -317,6 +334,7 @@ class TensorStash:
             self._lease = None
         self._flat_ptr = flat.data_ptr()
         self._flat_nbytes = total
+        self._flat_lent = into is not None
         self._layout_starts = [r.offset for r in regions]
         self._layout_sizes = [r.nbytes for r in regions]
         self._regions = None
@@ -327,7 +345,7 @@ class TensorStash:
             op="restore",
             seconds=time.perf_counter() - started,
             tensors=sum(len(r.views) for r in regions),
-            device_allocated=total,
+            device_allocated=total if into is None else 0,
             bytes_to_device=sum(r.nbytes for r in regions) if lease is not None else 0,
             copies=lease.pool.chunks_for(total) if lease is not None else 0,
             host_freed=lease.nbytes if lease is not None else 0,
@@ -336,3 +354,21 @@ class TensorStash:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _checked_home(owner: str, into: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    """``into`` if a restore of ``total`` bytes can make it the flat buffer, else a ``StashError``."""
+    storage = into.untyped_storage()
+    problems = []
+    if into.dtype != torch.uint8 or into.dim() != 1:
+        problems.append(f"it is {into.dtype} with {into.dim()} dims, not 1-D uint8")
+    if into.device.type != device.type or (device.index is not None and into.device != device):
+        problems.append(f"it is on {into.device}, the stash on {device}")
+    if into.data_ptr() != storage.data_ptr() or storage.nbytes() != total or into.numel() != total:
+        problems.append(f"its storage holds {storage.nbytes()} bytes, the restore needs exactly {total}")
+    if problems:
+        raise StashError(
+            f"{owner}: cannot restore into the given memory: {'; '.join(problems)}; pass a view whose storage is "
+            "exactly offloaded_bytes long (DeviceLoan.view does)"
+        )
+    return into

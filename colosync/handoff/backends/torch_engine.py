@@ -7,7 +7,9 @@ the weights.
 
 ``TorchEngineMemory`` works on colosync's ``hf`` reference engine or a custom one: weights
 and KV cache are two ``TensorStash``es, so the same tensor objects are valid after each
-onload and the mirror lives in a ``HostPool`` that the trainer can share. (vLLM's sleep mode
+onload and the mirror lives in a ``HostPool`` that the trainer can share. After ``lend()`` the
+KV cache lives in a ``DeviceLoan`` that the trainer wakes up in while the KV cache is dropped,
+so neither drop nor onload frees or allocates device memory. (vLLM's sleep mode
 is the other engine backend; it depends on vLLM, so it lives with the engines:
 ``colosync.engines.vllm.memory``.)
 """
@@ -20,10 +22,13 @@ from typing import Any
 
 import torch
 
+from colosync.errors import StashError
 from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.loan import DeviceLoan
 from colosync.handoff.backends.stash import TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
 from colosync.handoff.model.participants import EngineMemory, Footprint, OpReport
+from colosync.wire.protocol import LoanHandle
 
 KVSource = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor] | None
 
@@ -68,6 +73,8 @@ class TorchEngineMemory(EngineMemory):
         self._kv_bytes = storage_bytes(self.kv_tensors())
         self.weights_valid = True
         """False after weights were released without a mirror, until the caller syncs them."""
+        self.loan: DeviceLoan | None = None
+        """The block the KV cache lives in once ``lend()`` was called, lent to the trainer while dropped."""
 
     @classmethod
     def from_engine(cls, engine: Any, **kwargs: Any) -> TorchEngineMemory:
@@ -113,7 +120,9 @@ class TorchEngineMemory(EngineMemory):
         device = self._weights.inflight_bytes + self._kv.inflight_bytes
         if not self._weights.offloaded:
             device += storage_bytes(self.weight_tensors())
-        if not self._kv.offloaded:
+        if self.loan is not None:
+            device += self.loan.nbytes  # the block is the engine's while the trainer wakes up in it
+        elif not self._kv.offloaded:
             device += storage_bytes(self.kv_tensors())
         return Footprint(self._weights.host_bytes + self._kv.host_bytes, device, self.device.type)
 
@@ -156,7 +165,36 @@ class TorchEngineMemory(EngineMemory):
         )
 
     def onload_kv(self) -> OpReport:
-        return self._onload("onload_kv", self._kv, "KV cache already allocated", after=self.after_kv_onload)
+        into = self._kv_home() if self._kv.offloaded else None
+        return self._onload("onload_kv", self._kv, "KV cache already allocated", after=self.after_kv_onload, into=into)
+
+    def lend(self) -> LoanHandle:
+        """Move the KV cache into one exportable block (its contents are forgotten, as at every
+        ``offload_kv``) and return the block's handle; the same handle on every later call."""
+        if self.loan is not None:
+            return self.loan.handle
+        resident = not self._kv.offloaded
+        if resident:
+            if self.release_graphs is not None:
+                self.release_graphs()  # they captured the KV cache's old addresses
+            self._kv.offload(self.kv_tensors(), backup=False)
+            self._return_to_device()
+        if not self._kv.offloaded_bytes:
+            raise StashError(f"{self.name}: no KV cache to lend; give TorchEngineMemory its KV tensors (kv=)")
+        self.loan = DeviceLoan.allocate(self._kv.offloaded_bytes, self.device)
+        if resident:
+            self._kv.restore(zero=True, into=self._kv_home())
+            if self.after_kv_onload is not None:
+                self.after_kv_onload()
+        return self.loan.handle
+
+    def close(self) -> None:
+        """Give the KV cache's block up (it goes once no tensor views it)."""
+        if self.loan is not None:
+            self.loan.close()
+
+    def _kv_home(self) -> torch.Tensor | None:
+        return None if self.loan is None else self.loan.view(0, self._kv.offloaded_bytes)
 
     def _onload(
         self,
@@ -167,12 +205,14 @@ class TorchEngineMemory(EngineMemory):
         after: Callable[[], None] | None,
         peak: bool = False,
         note: str = "",
+        into: torch.Tensor | None = None,
     ) -> OpReport:
-        """Restore ``stash`` (from its mirror, else zeros), then run the engine's ``after`` hook."""
+        """Restore ``stash`` (from its mirror, else zeros; into ``into`` when given), then run the
+        engine's ``after`` hook."""
         if not stash.offloaded:
             return self._noop(op, resident)
         started = time.perf_counter()
-        stats = stash.restore(zero=True, on_peak=self._peak if peak else None)
+        stats = stash.restore(zero=True, on_peak=self._peak if peak else None, into=into)
         if after is not None:
             after()
         return self._report_moves(op, started, stats, note=note)

@@ -8,6 +8,10 @@ and come back into one device allocation, and the very same ``Parameter`` and st
 objects are valid again after ``wake_up`` (so optimizers, hooks and module references need
 no rebuilding). The gradient buffer is what the next step overwrites, so by default it is
 freed without a backup and comes back zeroed.
+
+After ``borrow(handle)`` the state and the gradient buffer wake up inside the block the engine
+lends (its KV cache's, while the KV cache is dropped: ``handoff.backends.loan``) instead of a
+fresh allocation, and sleeping gives the block back without freeing it.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from colosync.errors import ConfigError
+from colosync.errors import ConfigError, StashError
 from colosync.handoff.backends.host_pool import HostPool
+from colosync.handoff.backends.loan import ALIGN, DeviceLoan
 from colosync.handoff.backends.stash import StashStats, TensorStash, storage_bytes
 from colosync.handoff.model.ops import Region
 from colosync.handoff.model.participants import Footprint, OpReport, TrainerMemory
+from colosync.wire.protocol import LoanHandle
 
 Loader = Callable[[], "tuple[torch.nn.Module, torch.optim.Optimizer | None]"]
 
@@ -75,6 +81,8 @@ class TorchTrainerMemory(TrainerMemory):
         self._cache_held = model is not None
         self._last_state_bytes = 0
         self._last_grad_bytes = 0
+        self.loan: DeviceLoan | None = None
+        """The engine's block this trainer wakes up in, once ``borrow`` was called."""
         if model is not None:
             self._bind(model)
 
@@ -173,10 +181,15 @@ class TorchTrainerMemory(TrainerMemory):
         host = state.host_bytes + grads.host_bytes
         device = state.inflight_bytes + grads.inflight_bytes
         if not state.offloaded:
-            device += storage_bytes(self.state_tensors())
+            device += storage_bytes(self._own(self.state_tensors()))
         if not grads.offloaded:
-            device += storage_bytes(self.grad_tensors())
+            device += storage_bytes(self._own(self.grad_tensors()))
         return Footprint(host, device, self.device.type)
+
+    def _own(self, tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """``tensors`` but those inside the engine's block (the engine counts that, whoever uses it)."""
+        loan = self.loan
+        return (t for t in tensors if loan is None or not loan.contains(t))
 
     # -- operations -------------------------------------------------------------------------
     def load(self) -> OpReport:
@@ -219,9 +232,38 @@ class TorchTrainerMemory(TrainerMemory):
         if not state.offloaded:
             return self._noop("wake_up", "already awake")
         started = time.perf_counter()
-        stats = state.restore(on_peak=self._peak) + grads.restore(zero=True)
+        state_home, grads_home = self._homes(state, grads)
+        stats = state.restore(on_peak=self._peak, into=state_home) + grads.restore(zero=True, into=grads_home)
         self._cache_held = True
         return self._report_moves("wake_up", started, stats)
+
+    def borrow(self, handle: LoanHandle) -> None:
+        if self.loan is not None:
+            if self.loan.handle == handle:
+                return
+            if not self.asleep:
+                raise StashError(f"{self.name}: awake inside the engine's old loan; sleep before borrowing another")
+            self.loan.close()
+        self.loan = DeviceLoan.borrow(handle, self.device)
+
+    def close(self) -> None:
+        if self.loan is not None:
+            self.loan.close()
+
+    def _homes(self, state: TensorStash, grads: TensorStash) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the state and the grad buffer wake up: views of the loan (checked to fit before
+        anything moves), or None for fresh allocations."""
+        if self.loan is None:
+            return None, None
+        s, g = state.offloaded_bytes, grads.offloaded_bytes
+        at = -(-s // ALIGN) * ALIGN
+        if at + g > self.loan.nbytes:
+            raise StashError(
+                f"{self.name}: its state ({s / 1e9:.3f} GB) and gradient buffer ({g / 1e9:.3f} GB) do not fit the "
+                f"{self.loan.nbytes / 1e9:.3f} GB the engine lends; give the engine a larger KV cache, or plan "
+                "without lend_kv"
+            )
+        return (self.loan.view(0, s) if s else None), (self.loan.view(at, g) if g else None)
 
     def offload_grad_buffer(self) -> OpReport:
         stashes = self._stashes()

@@ -148,6 +148,21 @@ def effect(op: Op, held: frozenset[Region], backup: bool = True) -> tuple[frozen
     return frozenset(alloc), frozenset(free)
 
 
+LENT = frozenset({Region.ENGINE_KV, Region.TRAINER_STATE, Region.TRAINER_GRADS})
+"""With a loan (``HandoffConfig(lend_kv=True)``) these share one block, allocated once and never
+freed: the engine's KV cache, and the trainer's state and gradient buffer woken up inside it."""
+
+
+def device_bytes(held: frozenset[Region] | set[Region], sizes: dict[Region, int], *, lent: bool = False) -> int:
+    """Device bytes of the regions ``held``, at ``sizes``; with a loan, the shared block counts
+    always and once (the KV cache's size), whoever uses it."""
+    if not lent:
+        return sum(sizes.get(r, 0) for r in held if r.place is Place.DEVICE)
+    return sizes.get(Region.ENGINE_KV, 0) + sum(
+        sizes.get(r, 0) for r in held if r.place is Place.DEVICE and r not in LENT
+    )
+
+
 def apply(op: Op, held: frozenset[Region], backup: bool = True) -> frozenset[Region]:
     alloc, free = effect(op, held, backup)
     return (held | alloc) - free

@@ -24,6 +24,7 @@ import msgspec
 
 from colosync.errors import UnsupportedOperation
 from colosync.handoff.model.ops import Op, Region
+from colosync.wire.protocol import LoanHandle
 
 Listener = Callable[["MemoryParticipant", str], None]
 """Called as ``listener(participant, event)``; event ``"peak"`` marks the moment inside an
@@ -129,6 +130,10 @@ class MemoryParticipant(abc.ABC):
         method = getattr(self, op.method)
         return method(backup) if op is Op.ENGINE_OFFLOAD_WEIGHTS else method()
 
+    def close(self) -> None:
+        """Let go of what the participant holds for the job's length (a loan); the default holds nothing."""
+        return None
+
     def _report(self, op: str, started: float, **fields: Any) -> OpReport:
         return OpReport(participant=self.name, op=op, seconds=time.perf_counter() - started, **fields)
 
@@ -174,6 +179,13 @@ class TrainerMemory(MemoryParticipant):
     def clear_memory(self) -> OpReport:
         """Return the allocator's cached, unused device memory to the device."""
 
+    def borrow(self, handle: LoanHandle) -> None:
+        """Wake up from now on inside the memory the engine lends (``HandoffConfig(lend_kv=True)``)."""
+        raise UnsupportedOperation(
+            f"the trainer {self.name!r} ({type(self).__name__}) cannot wake up in memory the engine lends; "
+            "use TorchTrainerMemory, or plan without lend_kv"
+        )
+
 
 class EngineMemory(MemoryParticipant):
     """Memory operations of an inference engine that shares its GPUs with a trainer."""
@@ -195,6 +207,14 @@ class EngineMemory(MemoryParticipant):
     @abc.abstractmethod
     def onload_kv(self) -> OpReport:
         """Re-allocate the KV cache (its contents are forgotten)."""
+
+    def lend(self) -> LoanHandle:
+        """Keep the KV cache from now on in one block the trainer can borrow while the KV cache is
+        dropped, and return its handle (``HandoffConfig(lend_kv=True)``); the contents are forgotten."""
+        raise UnsupportedOperation(
+            f"the engine {self.name!r} ({type(self).__name__}) cannot lend its KV cache's memory; "
+            "use TorchEngineMemory, or plan without lend_kv"
+        )
 
 
 class WeightSync(MemoryParticipant):

@@ -56,8 +56,17 @@ class HandoffConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sync: bool = False
     """``train_to_rollout`` includes the weight sync as a step (``sync.weights``), placed where
     both the trainer's and the engine's weights are on the device, with its memory planned."""
+    lend_kv: bool = False
+    """After init, the engine keeps its KV cache in one block that it never frees and lends to the
+    trainer, whose state and grad buffer wake up inside it while the KV cache is dropped: the
+    handoff then allocates and frees no device memory for them (``handoff.backends.loan``)."""
 
     def __post_init__(self) -> None:
+        if self.lend_kv and not (self.trainer_offload and self.engine_offload):
+            raise PlanError(
+                "lend_kv=True lends the engine's KV cache to the trainer while the engine is offloaded and the "
+                "trainer awake; it needs trainer_offload=True and engine_offload=True, or set lend_kv=False"
+            )
         if self.peak_device not in PEAK_DEVICES:
             raise PlanError(
                 f"peak_device={self.peak_device!r} is not a handoff mode; choose one of "

@@ -21,7 +21,7 @@ import msgspec
 
 from colosync import workloads
 from colosync.errors import PlanError, SizesError
-from colosync.handoff.model.ops import ARENA_REGIONS, HOST_COPIES, Place, Region, effect
+from colosync.handoff.model.ops import ARENA_REGIONS, HOST_COPIES, Place, Region, device_bytes, effect
 from colosync.handoff.model.plans import PEAK_DEVICES, HandoffConfig, Phase, PhaseName, Plan, build_plan, start_state
 
 R = Region
@@ -187,9 +187,19 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
         sizes = self.region_bytes()
         return self.host_baseline_bytes + self.gpus_per_node * sum(sizes[r] for r in held if r.place is Place.HOST)
 
-    def device_bytes(self, held: frozenset[Region]) -> int:
-        sizes = self.region_bytes()
-        return self.device_baseline_bytes + sum(sizes[r] for r in held if r.place is Place.DEVICE)
+    def device_bytes(self, held: frozenset[Region], *, lent: bool = False) -> int:
+        """Device bytes of ``held``; ``lent``: the KV cache's block is lent to the trainer (``ops.LENT``)."""
+        return self.device_baseline_bytes + device_bytes(held, self.region_bytes(), lent=lent)
+
+    def check_loan(self) -> None:
+        """Raise ``PlanError`` unless the trainer's state and gradient buffer fit the KV cache it borrows."""
+        need = self.trainer_backup_bytes + self.trainer_grad_buffer_bytes
+        if need > self.engine_kv_bytes:
+            raise PlanError(
+                f"lend_kv: the trainer's state and gradient buffer ({need / 1e9:.2f} GB) do not fit the engine's KV "
+                f"cache ({self.engine_kv_bytes / 1e9:.2f} GB) they would wake up in; give the engine a KV cache of "
+                "at least that size, or plan without lend_kv"
+            )
 
 
 def load_handoff_sizes(name_or_path: str) -> HandoffSizes:
@@ -260,6 +270,8 @@ class Simulation:
 def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
     """Walk ``plan`` (init, then ``cycles`` rounds) and record host and device at every step."""
     phases: list[Phase] = plan.schedule(cycles)
+    if plan.config.lend_kv:
+        sizes.check_loan()
     held = start_state(plan.config, phases[0].name)
     rows: list[TimelineRow] = []
     budget, gpu = sizes.host_budget_bytes, sizes.gpu_bytes
@@ -282,11 +294,16 @@ def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
         )
     )
     for phase in phases:
+        lent = plan.config.lend_kv and phase.name is not PhaseName.INIT  # the engine lends once init is done
+
+        def dev(regions: frozenset[Region], lent: bool = lent) -> int:
+            return sizes.device_bytes(regions, lent=lent)
+
         for i, step in enumerate(phase.steps, 1):
             alloc, free = effect(step.op, held, step.backup)
             peak = held | alloc
             after = peak - free
-            hp, dp = sizes.host_bytes(peak), sizes.device_bytes(peak)
+            hp, dp = sizes.host_bytes(peak), dev(peak)
             rows.append(
                 TimelineRow(
                     phase=phase.name.value,
@@ -296,9 +313,9 @@ def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
                     host_before=sizes.host_bytes(held),
                     host_peak=hp,
                     host_after=sizes.host_bytes(after),
-                    device_before=sizes.device_bytes(held),
+                    device_before=dev(held),
                     device_peak=dp,
-                    device_after=sizes.device_bytes(after),
+                    device_after=dev(after),
                     host_copies=_copies(peak),
                     over_host=budget is not None and hp > budget,
                     over_device=gpu is not None and dp > gpu,

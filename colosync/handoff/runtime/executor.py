@@ -21,7 +21,7 @@ import torch
 
 from colosync.errors import HandoffError, HandoffInvariantError
 from colosync.handoff.backends.host_pool import HostPool
-from colosync.handoff.model.ops import HOST_COPIES, Op, Place, Region, effect
+from colosync.handoff.model.ops import HOST_COPIES, Op, Place, Region, device_bytes, effect
 from colosync.handoff.model.participants import (
     EngineMemory,
     MemoryParticipant,
@@ -94,6 +94,8 @@ class HandoffExecutor:
         self.result: ExecutionResult | None = None
         self._pending: list[Violation] = []
         self._sim_host_max = 0
+        self.lent = False
+        """Whether the engine's KV cache block is lent to the trainer (plans with ``lend_kv``, after init)."""
 
     def measure(self) -> Measurement:
         """Host and device now, against the baseline of the run in progress."""
@@ -143,6 +145,8 @@ class HandoffExecutor:
         if not isinstance(phase, Phase):
             phase = plan.phase(phase)
         result = self._start(plan)
+        if plan.config.lend_kv and phase.name is not PhaseName.INIT and not self.lent:
+            self._lend()
         expected = start_state(plan.config, phase.name)
         invariants = self.invariants(plan)
         for i, step in enumerate(phase.steps, 1):
@@ -150,6 +154,21 @@ class HandoffExecutor:
             alloc, free = effect(step.op, expected, step.backup)
             expected = (expected | alloc) - free
         return result
+
+    def _lend(self) -> None:
+        """Hand the engine's KV cache block to the trainer, once: after init, before the first cycle."""
+        if self.trainer is None or self.engine is None:
+            raise HandoffError("lend_kv needs both a trainer and an engine participant; give both, or plan without it")
+        started = time.perf_counter()
+        handle = self.engine.lend()
+        self.trainer.borrow(handle)
+        self.lent = True
+        log.info(
+            "handoff executor: the engine lends its KV cache (%.3f GB, %s) to the trainer, %.3f s",
+            handle.nbytes / 1e9,
+            handle.kind,
+            time.perf_counter() - started,
+        )
 
     def _participant(self, op: Op) -> MemoryParticipant | None:
         return {"trainer": self.trainer, "engine": self.engine, "sync": self.sync}.get(op.actor)
@@ -170,7 +189,7 @@ class HandoffExecutor:
         sizes = self.meter.sizes()
         exp_peak = expected | alloc
         exp_host = sum(sizes.get(r, 0) for r in exp_peak if r.place is Place.HOST)
-        exp_dev = sum(sizes.get(r, 0) for r in exp_peak if r.place is Place.DEVICE)
+        exp_dev = device_bytes(exp_peak, sizes, lent=self.lent)
         # Pools keep the chunks of the largest copies so far; host memory outside the copies
         # (a sync's transport slots, a load's staging) comes on top of them while it is held.
         exp_copies = sum(sizes.get(r, 0) for r in exp_peak if r in HOST_COPIES)

@@ -25,7 +25,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 import msgspec
 
@@ -43,6 +43,10 @@ from colosync.handoff.model.participants import (
 from colosync.handoff.runtime.sampling import DeviceSampler, HostSampler, trim_host_allocator
 from colosync.wire.protocol import (
     ArenaHandle,
+    LoanHandle,
+    MemoryBorrow,
+    MemoryLend,
+    MemoryLent,
     MemoryOp,
     MemoryOpDone,
     MemoryQuery,
@@ -53,8 +57,8 @@ from colosync.wire.protocol import (
 
 log = logging.getLogger(__name__)
 
-MEMORY_REQUESTS: tuple[type, ...] = (MemorySetup, MemoryOp, MemoryQuery)
-MEMORY_REPLIES: tuple[type, ...] = (MemoryState, MemoryOpDone)
+MEMORY_REQUESTS: tuple[type, ...] = (MemorySetup, MemoryOp, MemoryQuery, MemoryLend, MemoryBorrow)
+MEMORY_REPLIES: tuple[type, ...] = (MemoryState, MemoryOpDone, MemoryLent)
 
 Factory = Callable[[HostPool], MemoryParticipant]
 """Builds the served participant once its host memory is known (the arena's pool, or a private one)."""
@@ -100,6 +104,19 @@ class MemoryService:
         if isinstance(request, MemoryOp):
             return self.run(request)
         if isinstance(request, MemoryQuery):
+            return self.state()
+        if isinstance(request, MemoryLend):
+            engine = self._ready()
+            if not isinstance(engine, EngineMemory):
+                raise HandoffError(f"only an engine lends its KV cache; {engine.name!r} is a {engine.actor}")
+            return MemoryLent(engine.lend(), self.state())
+        if isinstance(request, MemoryBorrow):
+            trainer = self._ready()
+            if not isinstance(trainer, TrainerMemory):
+                raise HandoffError(
+                    f"only a trainer borrows the engine's KV cache; {trainer.name!r} is a {trainer.actor}"
+                )
+            trainer.borrow(request.handle)
             return self.state()
         raise ConfigError(
             f"a MemoryService serves {[t.__name__ for t in MEMORY_REQUESTS]}, not {type(request).__name__}"
@@ -206,6 +223,8 @@ class MemoryService:
         )
 
     def close(self) -> None:
+        if self.participant is not None:
+            self.participant.close()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -349,6 +368,11 @@ class RemoteEngineMemory(RemoteParticipant, EngineMemory):
     def onload_kv(self) -> OpReport:
         return self.run(Op.ENGINE_ONLOAD_KV)
 
+    def lend(self) -> LoanHandle:
+        lent: MemoryLent = self._call(MemoryLend(), "lend")
+        self._state = lent.state
+        return lent.handle
+
 
 class RemoteTrainerMemory(RemoteParticipant, TrainerMemory):
     """A ``TrainerMemory`` in another process (a trainer driven by a controller)."""
@@ -370,6 +394,9 @@ class RemoteTrainerMemory(RemoteParticipant, TrainerMemory):
     def clear_memory(self) -> OpReport:
         return self.run(Op.TRAINER_CLEAR_MEMORY)
 
+    def borrow(self, handle: LoanHandle) -> None:
+        self._state = self._call(MemoryBorrow(handle), "borrow")
+
 
 class BytesMemoryLink:
     """A ``MemoryLink`` over any ``bytes -> bytes`` hop to a ``MemoryService`` (a Ray actor
@@ -381,7 +408,7 @@ class BytesMemoryLink:
 
         self._handle = handle
         self._encoder = msgspec.msgpack.Encoder()
-        self._replies = Codec(MemoryState | MemoryOpDone | Failed)
+        self._replies = Codec(Union[(*MEMORY_REPLIES, Failed)])
 
     def call(self, request: msgspec.Struct) -> Any:
         from colosync.wire.protocol import Failed
@@ -397,7 +424,7 @@ def serve_bytes(service: MemoryService) -> Callable[[bytes], bytes]:
     the reply or a ``Failed`` (never raises), e.g. behind a Ray actor method."""
     from colosync.wire.protocol import Codec, Failed
 
-    requests = Codec(MemorySetup | MemoryOp | MemoryQuery)
+    requests = Codec(Union[MEMORY_REQUESTS])  # noqa: UP007
     encoder = msgspec.msgpack.Encoder()
 
     def handle(data: bytes) -> bytes:
