@@ -65,6 +65,46 @@ def test_every_step_syncs_the_whole_model_and_charges_each_operation_its_allocat
     assert report["trainer_backup_bytes"] == weights + 2 * 2 * weights // 2  # moments of half the weights
 
 
+LENT_OPS = (
+    "rollout_to_train/engine.offload_kv",
+    "rollout_to_train/trainer.wake_up",
+    "train_to_rollout/trainer.sleep",
+    "train_to_rollout/engine.onload_kv",
+)
+
+
+def test_with_the_kv_cache_lent_the_handoff_allocates_and_frees_nothing_for_it(capsys, tmp_path, monkeypatch):
+    # engine and trainer in their own processes; the engine's KV cache block is shared memory the
+    # trainer process maps and wakes up in: no operation that hands it over allocates or frees it
+    times = AllocatorTimes(10**9, [2e-3] * 3, [5e-4] * 3)
+    monkeypatch.setattr(step_bench, "allocator_times", lambda device, nbytes, repeats=3: times)
+    args = ["--device", "cpu", "--weights", "6MB", "--kv", "40MB", "--tensor", "1MB", "--bucket", "1MB"]
+    report = _bench(capsys, tmp_path, *args, "--optimizer-shards", "2", "--peak-device", "gpu", "--lend-kv")
+    (mode,) = report["modes"]
+    assert mode["lend_kv"] and mode["summary"]["violations"] == 0 and mode["summary"]["steps"] == 3
+    assert [r["update_id"] for r in mode["rows"]] == [2, 3, 4]  # every step synced and served the trainer's weights
+    for row in mode["rows"]:
+        assert all(row["op_allocator_s"].get(op, 0.0) == 0.0 for op in LENT_OPS), row["op_allocator_s"]
+        assert row["op_bytes"]["rollout_to_train/trainer.wake_up"] > 0  # the state was still copied in
+    with pytest.raises(AssertionError, match="rc == 0|assert 2 == 0"):  # a KV cache too small to lend into
+        _bench(capsys, tmp_path, *args[:4], "--kv", "4MB", *args[6:], "--peak-device", "gpu", "--lend-kv")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_trainer_wakes_up_in_the_lent_kv_cache(capsys, tmp_path):
+    report = _bench(capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "12GB", "--peak-device", "gpu")
+    plain = report["modes"][0]
+    report = _bench(
+        capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "12GB", "--peak-device", "gpu", "--lend-kv"
+    )
+    (lent,) = report["modes"]
+    assert lent["lend_kv"] and lent["summary"]["violations"] == 0, lent["summary"]
+    for row in lent["rows"]:
+        assert all(row["op_allocator_s"].get(op, 0.0) == 0.0 for op in LENT_OPS), row["op_allocator_s"]
+    assert any(plain["rows"][-1]["op_allocator_s"].get(op, 0.0) > 0 for op in LENT_OPS)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_sync_adds_at_most_one_bucket_and_the_slots(capsys, tmp_path):

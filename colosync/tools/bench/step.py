@@ -58,6 +58,7 @@ class StepBenchOptions:
     optimizer_shards: int = 1
     host_scope: str = "processes"  # how the executor counts host memory (see HostSampler)
     trainer_backend: str = "torch"  # the trainer's sleep/wake: "torch" (the arena) or "tms" (torch_memory_saver)
+    lend_kv: bool = False  # the trainer wakes up in the engine's KV cache block (HandoffConfig.lend_kv)
     seed: int = 0
 
 
@@ -91,6 +92,7 @@ class ModeReport:
     larger_copy_bytes: int
     bucket_and_slots_bytes: int
     init_s: float
+    lend_kv: bool = False
     rows: list[StepRow] = field(default_factory=list)
     summary: dict[str, float] = field(default_factory=dict)
     op_medians_s: dict[str, float] = field(default_factory=dict)  # "phase/op": median seconds
@@ -201,7 +203,9 @@ def _run_mode(
     )
     colo: Colocated | None = None
     try:
-        colo = Colocated(cluster, mode, bucket_bytes=options.bucket_bytes, host_scope=options.host_scope)
+        colo = Colocated(
+            cluster, mode, bucket_bytes=options.bucket_bytes, host_scope=options.host_scope, lend_kv=options.lend_kv
+        )
         assert colo.handoff is not None
         sizes, arena_bytes = colo.handoff.sizes, colo.arena_bytes
         report.trainer_resident_bytes, report.trainer_backup_bytes = (
@@ -218,11 +222,13 @@ def _run_mode(
             max(sizes.engine_weight_bytes, sizes.trainer_backup_bytes),
             bucket * (sizes.sync_slots + 1),
             time.perf_counter() - started,
+            options.lend_kv,
         )
         if init.violations:
             console.print(f"[bold red]init:[/] {init.violations}")
         console.print(
-            f"[bold]{mode}[/] mode: arena {arena_bytes / 1e9:.1f} GB, "
+            f"[bold]{mode}[/] mode{' (the KV cache lent to the trainer)' if options.lend_kv else ''}: "
+            f"arena {arena_bytes / 1e9:.1f} GB, "
             f"trainer {sizes.trainer_resident_bytes / 1e9:.1f} GB on the device "
             f"({sizes.trainer_backup_bytes / 1e9:.1f} GB backed up), init {out.init_s:.1f} s"
         )
@@ -450,6 +456,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the trainer's sleep/wake: torch (reusable chunks of the shared arena, default) or tms "
         "(torch_memory_saver with its CPU backup, side by side; needs torch_memory_saver)",
     )
+    p.add_argument(
+        "--lend-kv",
+        action="store_true",
+        help="after init the engine keeps its KV cache in one block that the trainer wakes up in while the KV "
+        "cache is dropped: no device memory freed or allocated for them at each handoff",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--report", type=Path, help="also write the JSON report to this file")
@@ -472,6 +484,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_shards=args.optimizer_shards,
         host_scope=args.host_scope,
         trainer_backend=args.trainer_backend,
+        lend_kv=args.lend_kv,
         seed=args.seed,
     )
 
