@@ -68,6 +68,7 @@ class DeviceLoan:
         self.device = device
         self.lender = lender
         self._block = block  # cuda_ipc.DeviceBuffer or shm.Segment
+        self._base = block.ptr if handle.kind == "cuda_ipc" else block.span(0, 1).data_ptr()
         self._linked = lender and handle.kind == "shm"
 
     @property
@@ -108,10 +109,12 @@ class DeviceLoan:
         device = torch.device(device)
         if handle.kind not in ("cuda_ipc", "shm"):
             raise StashError(f"unknown loan kind {handle.kind!r}: the lender runs another colosync; upgrade both")
-        if handle.pid == os.getpid():
-            own = _LENT.get(handle.handle if handle.kind == "cuda_ipc" else handle.name)
-            if own is None:
-                raise StashError("this process lent no such block (it was closed); ask the engine to lend again")
+        own = (
+            _LENT.get(handle.handle if handle.kind == "cuda_ipc" else handle.name)
+            if handle.pid == os.getpid()
+            else None
+        )
+        if own is not None and own._block is not None:
             return cls(handle, device, own._block, lender=False)
         if handle.kind == "cuda_ipc":
             if device.type != "cuda":
@@ -126,6 +129,8 @@ class DeviceLoan:
         else:
             if device.type != "cpu":
                 raise StashError(f"the engine lends host memory (a CPU job); the trainer's device is {device}")
+            if not handle.name.startswith(PREFIX):
+                raise StashError(f"refusing to map {handle.name!r}: not a colosync loan (names start with {PREFIX!r})")
             block = shm.Segment(handle.name, handle.nbytes, create=False, pin=False)
         return cls(handle, device, block, lender=False)
 
@@ -135,8 +140,8 @@ class DeviceLoan:
             raise StashError("the loan is closed")
         if offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
             raise StashError(
-                f"a view of {nbytes} bytes at {offset} does not fit the {self.nbytes}-byte loan; "
-                "the trainer's state and gradient buffer must fit the engine's KV cache"
+                f"a view of {nbytes} bytes at {offset} does not fit the {self.nbytes}-byte loan; what lives in the "
+                "block (the engine's KV cache, or the trainer's state and grad buffer) must fit it"
             )
         if self.handle.kind == "cuda_ipc":
             span = _Span(self._block, self._block.ptr + offset, nbytes)
@@ -149,13 +154,12 @@ class DeviceLoan:
 
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside the block."""
-        if self._block is None:
-            return False
-        base = self._block.ptr if self.handle.kind == "cuda_ipc" else self._block.span(0, 1).data_ptr()
-        return base <= tensor.data_ptr() < base + self.nbytes
+        return self._block is not None and self._base <= tensor.data_ptr() < self._base + self.nbytes
 
     def close(self) -> None:
-        """Drop this side's hold; the memory goes once no tensor views it any more."""
+        """Drop this side's hold; the memory goes once no tensor views it any more. The borrower
+        closes first: a lender that frees the block under a borrower awake in it leaves the
+        borrower's tensors undefined (on CUDA as on the CPU)."""
         block, self._block = self._block, None
         if block is None:
             return

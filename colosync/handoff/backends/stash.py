@@ -174,9 +174,17 @@ class TensorStash:
         for st, _start in storages.values():
             unique.setdefault(st.data_ptr(), st)
         storages.clear()
+        lent = 0
         for st in unique.values():
             if self._flat_lent and st.data_ptr() == self._flat_ptr:
-                continue  # lent memory stays with its lender: neither freed nor retained by us
+                lent = st.nbytes()  # stays with its lender: neither freed nor retained by us
+                if torch._C._storage_Use_Count(st._cdata) > 1:
+                    log.warning(
+                        "%s: tensors not given to the stash still view the lent memory; after this offload they "
+                        "read whatever its lender puts there (the engine's KV cache): offload them too",
+                        self.owner,
+                    )
+                continue
             # one reference is ``st`` itself (the dict holds the same object)
             if torch._C._storage_Use_Count(st._cdata) > 1:
                 retained += st.nbytes()
@@ -190,6 +198,8 @@ class TensorStash:
                 retained / 1e9,
             )
         unique.clear()
+        if lent:
+            self._sync()  # the lender's process may use the memory as soon as this returns
         self._regions = regions
         self._total = total
         self._flat_ptr = None

@@ -181,7 +181,12 @@ class TorchEngineMemory(EngineMemory):
             self._return_to_device()
         if not self._kv.offloaded_bytes:
             raise StashError(f"{self.name}: no KV cache to lend; give TorchEngineMemory its KV tensors (kv=)")
-        self.loan = DeviceLoan.allocate(self._kv.offloaded_bytes, self.device)
+        try:
+            self.loan = DeviceLoan.allocate(self._kv.offloaded_bytes, self.device)
+        except BaseException:
+            if resident:  # the engine stays where the plan has it: KV cache allocated (zeroed, as after onload)
+                self._kv.restore(zero=True)
+            raise
         if resident:
             self._kv.restore(zero=True, into=self._kv_home())
             if self.after_kv_onload is not None:
@@ -192,6 +197,7 @@ class TorchEngineMemory(EngineMemory):
         """Give the KV cache's block up (it goes once no tensor views it)."""
         if self.loan is not None:
             self.loan.close()
+            self.loan = None
 
     def _kv_home(self) -> torch.Tensor | None:
         return None if self.loan is None else self.loan.view(0, self._kv.offloaded_bytes)

@@ -17,6 +17,7 @@ fresh allocation, and sleeping gives the block back without freeing it.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -29,6 +30,8 @@ from colosync.handoff.backends.stash import StashStats, TensorStash, storage_byt
 from colosync.handoff.model.ops import Region
 from colosync.handoff.model.participants import Footprint, OpReport, TrainerMemory
 from colosync.wire.protocol import LoanHandle
+
+log = logging.getLogger(__name__)
 
 Loader = Callable[[], "tuple[torch.nn.Module, torch.optim.Optimizer | None]"]
 
@@ -213,6 +216,7 @@ class TorchTrainerMemory(TrainerMemory):
         state, grads = stashes
         if state.offloaded:
             return self._noop("sleep", "already asleep")
+        self._check_grads_in_loan()
         started = time.perf_counter()
         self._last_state_bytes = storage_bytes(self.state_tensors())
         stats = StashStats(noop=True)
@@ -244,11 +248,31 @@ class TorchTrainerMemory(TrainerMemory):
             if not self.asleep:
                 raise StashError(f"{self.name}: awake inside the engine's old loan; sleep before borrowing another")
             self.loan.close()
-        self.loan = DeviceLoan.borrow(handle, self.device)
+        loan = DeviceLoan.borrow(handle, self.device)
+        previous, self.loan = self.loan, loan
+        stashes = self._stashes()
+        if stashes is not None and self.asleep:
+            try:
+                self._homes(*stashes)  # does it fit? say so now, not at the next wake-up
+            except StashError:
+                self.loan = previous
+                loan.close()
+                raise
 
     def close(self) -> None:
         if self.loan is not None:
             self.loan.close()
+            self.loan = None
+
+    def _check_grads_in_loan(self) -> None:
+        """With a loan the plan counts the grad buffer inside the engine's block; grads the step
+        re-created (``zero_grad(set_to_none=True)``) live outside it, beside the block."""
+        if self.loan is not None and any(not self.loan.contains(g) for g in self.grad_tensors()):
+            log.warning(
+                "%s: gradients live outside the engine's lent block (re-created by the step?); the plan counts "
+                "them inside it: keep the grad buffer (zero_grad(set_to_none=False)), or plan without lend_kv",
+                self.name,
+            )
 
     def _homes(self, state: TensorStash, grads: TensorStash) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Where the state and the grad buffer wake up: views of the loan (checked to fit before
@@ -276,6 +300,7 @@ class TorchTrainerMemory(TrainerMemory):
             return self._noop(
                 "offload_grad_buffer", "backup_grads=True: gradients are backed up with the state at sleep"
             )
+        self._check_grads_in_loan()
         started = time.perf_counter()
         self._last_grad_bytes = storage_bytes(self.grad_tensors())
         stats = grads.offload(list(self.grad_tensors()), backup=False)

@@ -317,7 +317,8 @@ def validate_plan(plan: Plan) -> None:
     operations are idempotent at run time); every step's declared effect is what the
     operation does from the state the steps before it leave; each phase ends where the next
     one starts; in ``gpu`` mode no step holds both host copies (or the engine mirror beside
-    the trainer's checkpoint-load staging), even transiently.
+    the trainer's checkpoint-load staging), even transiently; with ``lend_kv``, no step after init
+    holds the KV cache beside the trainer's state or grad buffer (they share one block).
     """
     config = plan.config
     names = [p.name for p in plan.phases]
@@ -350,6 +351,13 @@ def validate_plan(plan: Plan) -> None:
                     f"{_names(held)} it allocates {_names(alloc)} and frees {_names(free)}"
                 )
             peak = held | alloc
+            clash = peak & {R.TRAINER_STATE, R.TRAINER_GRADS} if R.ENGINE_KV in peak else set()
+            if config.lend_kv and phase.name is not PhaseName.INIT and clash:
+                raise PlanError(
+                    f"{where}: with lend_kv the engine's KV cache and the trainer's {_names(clash)} share one "
+                    "block, but this step holds both; put engine.offload_kv before trainer.wake_up and "
+                    "trainer.sleep before engine.onload_kv"
+                )
             if config.peak_device == "gpu":
                 if peak >= HOST_COPIES:
                     raise PlanError(

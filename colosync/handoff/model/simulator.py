@@ -193,7 +193,8 @@ class HandoffSizes(msgspec.Struct, frozen=True, kw_only=True):
 
     def check_loan(self) -> None:
         """Raise ``PlanError`` unless the trainer's state and gradient buffer fit the KV cache it borrows."""
-        need = self.trainer_backup_bytes + self.trainer_grad_buffer_bytes
+        align = 1 << 21  # the grad buffer starts on the block's next 2 MiB boundary (``loan.ALIGN``)
+        need = -(-self.trainer_backup_bytes // align) * align + self.trainer_grad_buffer_bytes
         if need > self.engine_kv_bytes:
             raise PlanError(
                 f"lend_kv: the trainer's state and gradient buffer ({need / 1e9:.2f} GB) do not fit the engine's KV "
@@ -295,15 +296,11 @@ def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
     )
     for phase in phases:
         lent = plan.config.lend_kv and phase.name is not PhaseName.INIT  # the engine lends once init is done
-
-        def dev(regions: frozenset[Region], lent: bool = lent) -> int:
-            return sizes.device_bytes(regions, lent=lent)
-
         for i, step in enumerate(phase.steps, 1):
             alloc, free = effect(step.op, held, step.backup)
             peak = held | alloc
             after = peak - free
-            hp, dp = sizes.host_bytes(peak), dev(peak)
+            hp, dp = sizes.host_bytes(peak), sizes.device_bytes(peak, lent=lent)
             rows.append(
                 TimelineRow(
                     phase=phase.name.value,
@@ -313,9 +310,9 @@ def simulate(plan: Plan, sizes: HandoffSizes, *, cycles: int = 1) -> Simulation:
                     host_before=sizes.host_bytes(held),
                     host_peak=hp,
                     host_after=sizes.host_bytes(after),
-                    device_before=dev(held),
+                    device_before=sizes.device_bytes(held, lent=lent),
                     device_peak=dp,
-                    device_after=dev(after),
+                    device_after=sizes.device_bytes(after, lent=lent),
                     host_copies=_copies(peak),
                     over_host=budget is not None and hp > budget,
                     over_device=gpu is not None and dp > gpu,

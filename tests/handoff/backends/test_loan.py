@@ -15,17 +15,18 @@ import os
 import signal
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from colosync.errors import PlanError, StashError, UnsupportedOperation
-from colosync.handoff import PhaseName, build_plan
+from colosync.handoff import PhaseName, Region, build_plan
 from colosync.handoff.backends.host_pool import HostPool
 from colosync.handoff.backends.loan import PREFIX, DeviceLoan
 from colosync.handoff.backends.stash import TensorStash
 from colosync.handoff.backends.torch_engine import TorchEngineMemory
 from colosync.handoff.backends.torch_trainer import TorchTrainerMemory
-from colosync.handoff.model.plans import HandoffConfig
+from colosync.handoff.model.plans import HandoffConfig, Plan
 from colosync.handoff.model.simulator import HandoffSizes, simulate
 from colosync.handoff.runtime.executor import HandoffExecutor
 from colosync.wire.protocol import LoanHandle
@@ -87,8 +88,8 @@ def test_the_trainer_wakes_up_in_the_engines_kv_block_and_nothing_is_allocated_o
         assert report.device_allocated == 0 and report.device_freed == 0, report
     assert ops[("rollout_to_train", "trainer.wake_up")].bytes_to_device > 0  # the state was copied in
     assert engine.lend() == loan.handle  # lent once, the same block after
-    trainer.loan.close()
-    loan.close()
+    trainer.close()  # the borrower first
+    engine.close()
     assert _segments() == before
 
 
@@ -98,18 +99,38 @@ def test_a_trainer_larger_than_the_block_is_refused_before_anything_moves():
     plan = build_plan(peak_device="gpu", lend_kv=True)
     executor.run_phase(plan, PhaseName.INIT)
     with pytest.raises(StashError, match="do not fit .* the engine lends; give the engine a larger KV cache"):
-        executor.run_phase(plan, PhaseName.ROLLOUT_TO_TRAIN)
-    assert trainer.asleep and trainer.regions() == {trainer_backup()}  # still asleep, its backup intact
-    assert trainer.loan is not None
-    trainer.loan.close()
-    assert engine.loan is not None
-    engine.loan.close()
+        executor.run_phase(plan, PhaseName.ROLLOUT_TO_TRAIN)  # refused as the trainer borrows
+    assert trainer.asleep and trainer.regions() == {Region.TRAINER_BACKUP}  # still asleep, its backup intact
+    assert trainer.loan is None and not executor.lent
+    assert engine.loan is not None and Region.ENGINE_KV in engine.regions()  # the engine still serves
+    engine.close()
 
 
-def trainer_backup():
-    from colosync.handoff import Region
+def test_a_custom_order_that_puts_the_kv_cache_beside_the_trainer_in_the_block_is_refused():
+    phases = {
+        "init": ["engine.offload_kv", "trainer.load", "trainer.sleep", "engine.onload_kv"],
+        "rollout_to_train": ["engine.offload_kv", "engine.offload_weights", "trainer.wake_up"],
+        "train_to_rollout": ["engine.onload_weights", "engine.onload_kv", "trainer.sleep"],
+    }
+    with pytest.raises(PlanError, match=r"step 2 engine.onload_kv: with lend_kv .* put engine.offload_kv before"):
+        Plan.from_ops(HandoffConfig(lend_kv=True), phases)
+    Plan.from_ops(HandoffConfig(), phases)  # without the loan the same order is valid
 
-    return Region.TRAINER_BACKUP
+
+def test_a_tensor_left_viewing_the_block_after_a_sleep_is_reported(caplog):
+    trainer, engine = _pair()
+    executor = HandoffExecutor(trainer, engine)
+    plan = build_plan(peak_device="gpu", lend_kv=True)
+    executor.run_phase(plan, PhaseName.INIT)
+    executor.run_phase(plan, PhaseName.ROLLOUT_TO_TRAIN)
+    kept = next(trainer.model.parameters()).detach()  # a reference the stash is not given
+    with caplog.at_level("WARNING"):
+        executor.run_phase(plan, PhaseName.TRAIN_TO_ROLLOUT)
+    assert "still view the lent memory" in caplog.text
+    assert engine.loan is not None and engine.loan.contains(kept)
+    del kept
+    trainer.close()
+    engine.close()
 
 
 def test_the_plan_refuses_a_loan_the_trainer_does_not_fit_and_counts_the_block_once():
@@ -127,17 +148,11 @@ def test_the_plan_refuses_a_loan_the_trainer_does_not_fit_and_counts_the_block_o
     assert rows[("rollout_to_train", "trainer.wake_up")].device_peak - base == (100 + 16 + 2) << 30
     assert rows[("rollout_to_train", "engine.offload_kv")].device_after - base == (100 + 16) << 30  # not freed
     assert rows[("init", "engine.offload_kv")].device_after - base == 16 << 30  # init runs without the loan
-    small = msgspec_replace(sizes, engine_kv_bytes=40 << 30)
+    small = msgspec.structs.replace(sizes, engine_kv_bytes=40 << 30)
     with pytest.raises(PlanError, match="do not fit the engine's KV cache .* plan without lend_kv"):
         simulate(build_plan(peak_device="gpu", lend_kv=True), small)
     with pytest.raises(PlanError, match="needs trainer_offload=True and engine_offload=True"):
         HandoffConfig(lend_kv=True, engine_offload=False)
-
-
-def msgspec_replace(struct, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(struct, **changes)
 
 
 def test_restoring_into_memory_of_the_wrong_size_is_refused_and_changes_nothing():
@@ -154,8 +169,6 @@ def test_restoring_into_memory_of_the_wrong_size_is_refused_and_changes_nothing(
 
 
 def _borrower(handle_bytes: bytes, conn) -> None:
-    import msgspec
-
     handle = msgspec.msgpack.decode(handle_bytes, type=LoanHandle)
     loan = DeviceLoan.borrow(handle, "cpu")
     view = loan.view(0, 4 * MiB)
@@ -165,8 +178,6 @@ def _borrower(handle_bytes: bytes, conn) -> None:
 
 
 def test_a_block_lent_to_another_process_is_shared_and_a_borrower_killed_costs_the_lender_nothing():
-    import msgspec
-
     before = _segments()
     loan = DeviceLoan.allocate(8 * MiB, "cpu")
     assert _segments() - before == {loan.handle.name}
