@@ -351,7 +351,7 @@ def validate_plan(plan: Plan) -> None:
                     f"{_names(held)} it allocates {_names(alloc)} and frees {_names(free)}"
                 )
             peak = held | alloc
-            clash = peak & {R.TRAINER_STATE, R.TRAINER_GRADS} if R.ENGINE_KV in peak else set()
+            clash = peak & {R.TRAINER_STATE, R.TRAINER_GRADS} if R.ENGINE_KV in peak else frozenset()
             if config.lend_kv and phase.name is not PhaseName.INIT and clash:
                 raise PlanError(
                     f"{where}: with lend_kv the engine's KV cache and the trainer's {_names(clash)} share one "
