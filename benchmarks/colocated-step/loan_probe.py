@@ -8,7 +8,7 @@ tries the other way of handing memory over: the engine allocates one block L onc
 exports it, and the trainer opens it once and keeps it mapped; nothing is freed between the
 two. It times, each right after the engine's action named:
 
-- ``fresh after engine free``: today's path, as a baseline in the same run (wake_probe's
+- ``fresh after engine free``: the path without a loan, as a baseline in the same run (wake_probe's
   ``current``): the engine allocates and frees a torch block of L bytes, the trainer
   allocates the state and the grads fresh, copies the state from the arena and zeroes the grads;
 - ``loan``: the engine does nothing; the trainer copies the state from the arena into the
@@ -198,7 +198,7 @@ def main() -> None:
             slot.setdefault(k, []).append(v)
 
     def measure() -> None:
-        # -- the baseline: today's path (wake_probe's fresh(True) then current) ---------------------
+        # -- the baseline: the path without a loan (wake_probe's fresh(True) then current) ---------------------
         def fresh_after_engine_free() -> dict[str, float]:
             torch.cuda.empty_cache()
             sync()

@@ -202,16 +202,13 @@ def _run_mode(
         trainer_actor=TRAINER,
     )
     colo: Colocated | None = None
+    lend = options.lend_kv
     try:
-        colo = Colocated(
-            cluster, mode, bucket_bytes=options.bucket_bytes, host_scope=options.host_scope, lend_kv=options.lend_kv
-        )
+        colo = Colocated(cluster, mode, bucket_bytes=options.bucket_bytes, host_scope=options.host_scope, lend_kv=lend)
         assert colo.handoff is not None
         sizes, arena_bytes = colo.handoff.sizes, colo.arena_bytes
-        report.trainer_resident_bytes, report.trainer_backup_bytes = (
-            sizes.trainer_resident_bytes,
-            sizes.trainer_backup_bytes,
-        )
+        report.trainer_resident_bytes = sizes.trainer_resident_bytes
+        report.trainer_backup_bytes = sizes.trainer_backup_bytes
         bucket = min(sizes.sync_bucket_bytes, sizes.sync_bytes)
         started = time.perf_counter()
         init = colo.init()
@@ -227,8 +224,7 @@ def _run_mode(
         if init.violations:
             console.print(f"[bold red]init:[/] {init.violations}")
         console.print(
-            f"[bold]{mode}[/] mode{' (the KV cache lent to the trainer)' if options.lend_kv else ''}: "
-            f"arena {arena_bytes / 1e9:.1f} GB, "
+            f"[bold]{mode}[/] mode{' (KV cache lent)' if options.lend_kv else ''}: arena {arena_bytes / 1e9:.1f} GB, "
             f"trainer {sizes.trainer_resident_bytes / 1e9:.1f} GB on the device "
             f"({sizes.trainer_backup_bytes / 1e9:.1f} GB backed up), init {out.init_s:.1f} s"
         )
@@ -456,12 +452,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the trainer's sleep/wake: torch (reusable chunks of the shared arena, default) or tms "
         "(torch_memory_saver with its CPU backup, side by side; needs torch_memory_saver)",
     )
-    p.add_argument(
-        "--lend-kv",
-        action="store_true",
-        help="after init the engine keeps its KV cache in one block that the trainer wakes up in while the KV "
-        "cache is dropped: no device memory freed or allocated for them at each handoff",
-    )
+    p.add_argument("--lend-kv", action="store_true", help="the trainer wakes up in the engine's KV cache's memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--report", type=Path, help="also write the JSON report to this file")
