@@ -94,10 +94,10 @@ def test_with_the_kv_cache_lent_the_handoff_allocates_and_frees_nothing_for_it(c
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_trainer_wakes_up_in_the_lent_kv_cache(capsys, tmp_path):
-    report = _bench(capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "12GB", "--peak-device", "gpu")
+    report = _bench(capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "16GB", "--peak-device", "gpu")
     plain = report["modes"][0]
     report = _bench(
-        capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "12GB", "--peak-device", "gpu", "--lend-kv"
+        capsys, tmp_path, "--device", "cuda", "--weights", "2GB", "--kv", "16GB", "--peak-device", "gpu", "--lend-kv"
     )
     (lent,) = report["modes"]
     assert lent["lend_kv"] and lent["summary"]["violations"] == 0, lent["summary"]
