@@ -242,22 +242,21 @@ class TorchTrainerMemory(TrainerMemory):
         return self._report_moves("wake_up", started, stats)
 
     def borrow(self, handle: LoanHandle) -> None:
-        if self.loan is not None:
-            if self.loan.handle == handle:
-                return
-            if not self.asleep:
-                raise StashError(f"{self.name}: awake inside the engine's old loan; sleep before borrowing another")
-            self.loan.close()
+        if self.loan is not None and self.loan.handle == handle:
+            return
+        if self.loan is not None and not self.asleep:
+            raise StashError(f"{self.name}: awake inside the engine's old loan; sleep before borrowing another")
         loan = DeviceLoan.borrow(handle, self.device)
-        previous, self.loan = self.loan, loan
         stashes = self._stashes()
         if stashes is not None and self.asleep:
             try:
-                self._homes(*stashes)  # does it fit? say so now, not at the next wake-up
+                self._homes(*stashes, loan=loan)  # does it fit? say so now, not at the next wake-up
             except StashError:
-                self.loan = previous
                 loan.close()
                 raise
+        if self.loan is not None:
+            self.loan.close()
+        self.loan = loan
 
     def close(self) -> None:
         if self.loan is not None:
@@ -274,20 +273,23 @@ class TorchTrainerMemory(TrainerMemory):
                 self.name,
             )
 
-    def _homes(self, state: TensorStash, grads: TensorStash) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Where the state and the grad buffer wake up: views of the loan (checked to fit before
-        anything moves), or None for fresh allocations."""
-        if self.loan is None:
+    def _homes(
+        self, state: TensorStash, grads: TensorStash, loan: DeviceLoan | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the state and the grad buffer wake up: views of ``loan`` (default: the one
+        borrowed; checked to fit before anything moves), or None for fresh allocations."""
+        loan = loan or self.loan
+        if loan is None:
             return None, None
         s, g = state.offloaded_bytes, grads.offloaded_bytes
         at = -(-s // ALIGN) * ALIGN
-        if at + g > self.loan.nbytes:
+        if at + g > loan.nbytes:
             raise StashError(
                 f"{self.name}: its state ({s / 1e9:.3f} GB) and gradient buffer ({g / 1e9:.3f} GB) do not fit the "
-                f"{self.loan.nbytes / 1e9:.3f} GB the engine lends; give the engine a larger KV cache, or plan "
+                f"{loan.nbytes / 1e9:.3f} GB the engine lends; give the engine a larger KV cache, or plan "
                 "without lend_kv"
             )
-        return (self.loan.view(0, s) if s else None), (self.loan.view(at, g) if g else None)
+        return (loan.view(0, s) if s else None), (loan.view(at, g) if g else None)
 
     def offload_grad_buffer(self) -> OpReport:
         stashes = self._stashes()
